@@ -1,0 +1,41 @@
+# forkguard's entry points. `make demo` and `make test` work on a fresh Debian 12 machine: both
+# install what they need (scripts/install-deps) before building.
+PRESET ?= release
+JOBS ?= $(shell nproc)
+BUILD := build/$(PRESET)
+FAKE := $(BUILD)/lib/fake_cuda
+
+.PHONY: all deps build test demo asan tsan format format-check clean
+
+all: build
+
+deps:
+	scripts/install-deps
+
+build: deps
+	cmake --preset $(PRESET)
+	cmake --build --preset $(PRESET) -j $(JOBS)
+
+test: build
+	ctest --preset $(PRESET) -j $(JOBS)
+
+# The main job on an embedded default: the test driver stands in for a GPU.
+demo: build
+	@dev=$$(mktemp -d) && trap 'rm -rf "$$dev"' EXIT && \
+	  FORKGUARD_CUDA_DRIVER=$(CURDIR)/$(FAKE)/libcuda.so.1 \
+	  FORKGUARD_NVML_LIBRARY=$(CURDIR)/$(FAKE)/libnvidia-ml.so.1 \
+	  FAKE_CUDA_DEV_DIR=$$dev $(BUILD)/bin/doctor_stages
+
+asan tsan: deps
+	cmake --preset $@
+	cmake --build --preset $@ -j $(JOBS)
+	ctest --preset $@ -j $(JOBS)
+
+SOURCES = $(shell git ls-files '*.cpp' '*.hpp' '*.h' '*.cc')
+format:
+	clang-format -i $(SOURCES)
+format-check:
+	clang-format --dry-run -Werror $(SOURCES)
+
+clean:
+	rm -rf build

@@ -1,0 +1,87 @@
+// The probe: does a process hold CUDA driver state, and is it safe to fork it?
+//
+//   auto state = forkguard::probe::self();         // this process
+//   auto other = forkguard::probe::pid(1234);      // another one (same user, or root)
+//   if (!state.fork_safe) fmt::print("{}\n", forkguard::probe::to_string(state.verdict));
+//   for (const auto& e : state.evidence) fmt::print("{}: {} [{}]\n", e.kind, e.detail, e.source);
+//
+// The probe never initializes CUDA. It reads /proc, lists the loader's libraries, and calls the
+// driver only when it is already mapped in this process, and then only calls that initialize
+// nothing (cuDriverGetVersion, cuDeviceGetCount; cuDevicePrimaryCtxGetState and cuCtxGetCurrent
+// once the driver reports itself initialized). Probing a clean process leaves it clean.
+//
+// A child forked from an initialized parent ("poisoned") cannot use CUDA at all. It is told apart
+// by what it inherited: the mapped driver and the open device files (/dev/nvidia-uvm is opened by
+// cuInit, never by NVML), none of the driver's threads, and device-file descriptions shared with
+// its parent (kcmp).
+//
+// Thread-safety: self() and pid() may be called from any thread concurrently.
+#pragma once
+
+#include <sys/types.h>
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "forkguard/error.hpp"
+
+namespace forkguard::probe {
+
+// Ordered by how far the process has gone; fork is safe up to and including kNvmlOpen.
+enum class Verdict {
+  kClean,          // no CUDA library mapped, no NVIDIA device file open
+  kDriverLoaded,   // a CUDA library is mapped, the driver is not initialized: fork is safe
+  kNvmlOpen,       // NVIDIA control/GPU device files open (NVML), no CUDA init: fork is safe
+  kInitialized,    // cuInit has succeeded here: a forked child cannot use CUDA
+  kContextActive,  // and a context exists
+  kPoisoned,       // forked from an initialized parent: CUDA cannot work in this process
+};
+
+enum class EvidenceKind {
+  kLibraryMapped,     // a CUDA library in the address space
+  kDeviceFileOpen,    // an fd on /dev/nvidia* (or the test driver's files of the same names)
+  kDeviceFileMapped,  // a mapping of a GPU device file (what contexts create)
+  kDriverThread,      // a thread the driver starts at cuInit (cuda-EvtHandlr)
+  kInheritedFile,     // a device-file description shared with the parent process (kcmp)
+  kDriverState,       // what the driver itself answered
+  kEnvironment,       // a variable that changes how CUDA or PyTorch behaves
+};
+
+struct Evidence {
+  EvidenceKind kind;
+  std::string detail;  // "libcuda.so.1 (/usr/lib/x86_64-linux-gnu/libcuda.so.1)"
+  std::string source;  // where it was seen: "/proc/42/fd/7", "dl_iterate_phdr", "cuDeviceGetCount"
+};
+
+struct CudaState {
+  pid_t pid = 0;
+  pid_t parent_pid = 0;
+  Verdict verdict = Verdict::kClean;
+  bool fork_safe = true;
+  std::vector<Evidence> evidence;
+  std::vector<std::string> notes;  // what could not be checked, and why
+
+  bool has(EvidenceKind kind) const;
+};
+
+// No such process, or not allowed to inspect it; the message names the PID and the cause.
+class ProbeError : public Error {
+ public:
+  ProbeError(pid_t pid, std::string message, bool permission_denied);
+  pid_t pid() const noexcept { return pid_; }
+  bool permission_denied() const noexcept { return permission_denied_; }
+
+ private:
+  pid_t pid_;
+  bool permission_denied_;
+};
+
+CudaState self();
+CudaState pid(pid_t pid);  // pid == getpid() gives self()
+
+std::string_view to_string(Verdict verdict);
+std::string_view to_string(EvidenceKind kind);
+bool is_fork_safe(Verdict verdict);
+
+}  // namespace forkguard::probe

@@ -1,0 +1,20 @@
+// Which shared objects this process has mapped, from the dynamic loader (dl_iterate_phdr).
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace forkguard::detail {
+
+// Paths of every object the dynamic loader has loaded, in load order (the main program excluded).
+std::vector<std::string> loaded_libraries();
+// The path of the object behind a dlopen handle.
+std::optional<std::string> loaded_path_of(void* handle);
+
+std::string_view basename_of(std::string_view path);
+// libcuda.so, libcuda.so.1, libcuda.so.550.54.15 (the real driver or the test driver).
+bool is_cuda_driver_library(std::string_view path);
+
+}  // namespace forkguard::detail

@@ -1,0 +1,157 @@
+#include "probe/proc_reader.hpp"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <linux/kcmp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <string>
+
+#include "detail/fd.hpp"
+
+namespace forkguard::probe::detail {
+namespace {
+
+std::string proc_path(pid_t pid, const char* leaf) {
+  return "/proc/" + std::to_string(pid) + "/" + leaf;
+}
+
+// Whole-file read (procfs files report size 0, so read until EOF).
+std::optional<std::string> read_file(const std::string& path, ProcReadError* error) {
+  forkguard::detail::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd) {
+    *error = {errno, path};
+    return std::nullopt;
+  }
+  std::string out;
+  char buf[16384];
+  while (true) {
+    ssize_t n = ::read(fd.get(), buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      *error = {errno, path};
+      return std::nullopt;
+    }
+    if (n == 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  return out;
+}
+
+std::optional<std::vector<std::string>> list_dir(const std::string& path, ProcReadError* error) {
+  DIR* dir = ::opendir(path.c_str());
+  if (dir == nullptr) {
+    *error = {errno, path};
+    return std::nullopt;
+  }
+  std::vector<std::string> names;
+  while (dirent* e = ::readdir(dir)) {
+    if (e->d_name[0] != '.') names.emplace_back(e->d_name);
+  }
+  ::closedir(dir);
+  return names;
+}
+
+std::string strip_deleted(std::string s) {
+  constexpr std::string_view kDeleted = " (deleted)";
+  if (s.size() > kDeleted.size() &&
+      s.compare(s.size() - kDeleted.size(), kDeleted.size(), kDeleted.data()) == 0) {
+    s.resize(s.size() - kDeleted.size());
+  }
+  return s;
+}
+
+}  // namespace
+
+std::optional<std::vector<std::string>> mapped_paths(pid_t pid, ProcReadError* error) {
+  auto text = read_file(proc_path(pid, "maps"), error);
+  if (!text) return std::nullopt;
+  std::vector<std::string> paths;
+  size_t pos = 0;
+  while (pos < text->size()) {
+    size_t end = text->find('\n', pos);
+    if (end == std::string::npos) end = text->size();
+    std::string_view line(text->data() + pos, end - pos);
+    pos = end + 1;
+    // address perms offset dev inode [path]: the path starts at the first '/' after 5 fields.
+    size_t field = 0, i = 0;
+    while (i < line.size() && field < 5) {
+      while (i < line.size() && line[i] != ' ') ++i;
+      while (i < line.size() && line[i] == ' ') ++i;
+      ++field;
+    }
+    if (i < line.size() && line[i] == '/') {
+      std::string p = strip_deleted(std::string(line.substr(i)));
+      if (paths.empty() || paths.back() != p) paths.push_back(std::move(p));
+    }
+  }
+  return paths;
+}
+
+std::optional<std::vector<OpenFile>> open_files(pid_t pid, ProcReadError* error) {
+  const std::string dir = proc_path(pid, "fd");
+  auto names = list_dir(dir, error);
+  if (!names) return std::nullopt;
+  std::vector<OpenFile> files;
+  for (const auto& n : *names) {
+    char buf[4096];
+    std::string link = dir + "/" + n;
+    ssize_t len = ::readlink(link.c_str(), buf, sizeof buf - 1);
+    if (len < 0) continue;  // closed while we looked
+    files.push_back(
+        {std::atoi(n.c_str()), strip_deleted(std::string(buf, static_cast<size_t>(len)))});
+  }
+  return files;
+}
+
+std::optional<std::vector<std::string>> thread_names(pid_t pid, ProcReadError* error) {
+  const std::string dir = proc_path(pid, "task");
+  auto tids = list_dir(dir, error);
+  if (!tids) return std::nullopt;
+  std::vector<std::string> names;
+  for (const auto& tid : *tids) {
+    ProcReadError ignored;
+    auto comm = read_file(dir + "/" + tid + "/comm", &ignored);
+    if (!comm) continue;  // the thread exited while we looked
+    while (!comm->empty() && comm->back() == '\n') comm->pop_back();
+    names.push_back(std::move(*comm));
+  }
+  return names;
+}
+
+std::optional<pid_t> parent_of(pid_t pid, ProcReadError* error) {
+  auto stat = read_file(proc_path(pid, "stat"), error);
+  if (!stat) return std::nullopt;
+  // "pid (comm) state ppid ...": comm may hold spaces and parentheses; parse after the last ')'.
+  auto close = stat->rfind(')');
+  if (close == std::string::npos || close + 4 >= stat->size()) {
+    *error = {EINVAL, proc_path(pid, "stat")};
+    return std::nullopt;
+  }
+  return static_cast<pid_t>(std::atoi(stat->c_str() + close + 4));
+}
+
+std::optional<std::vector<std::string>> environment_of(pid_t pid, ProcReadError* error) {
+  auto text = read_file(proc_path(pid, "environ"), error);
+  if (!text) return std::nullopt;
+  std::vector<std::string> vars;
+  size_t pos = 0;
+  while (pos < text->size()) {
+    size_t end = text->find('\0', pos);
+    if (end == std::string::npos) end = text->size();
+    if (end > pos) vars.emplace_back(text->substr(pos, end - pos));
+    pos = end + 1;
+  }
+  return vars;
+}
+
+int same_file_description(pid_t a, int fd_a, pid_t b, int fd_b) {
+  long r = ::syscall(SYS_kcmp, a, b, KCMP_FILE, fd_a, fd_b);
+  if (r < 0) return -errno;
+  return r == 0 ? 1 : 0;
+}
+
+}  // namespace forkguard::probe::detail

@@ -1,0 +1,33 @@
+// Reads what /proc says about a process: mappings, open fds, threads, parent, environment.
+#pragma once
+
+#include <sys/types.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace forkguard::probe::detail {
+
+struct OpenFile {
+  int fd = -1;
+  std::string target;  // readlink of /proc/PID/fd/N, " (deleted)" stripped
+};
+
+struct ProcReadError {
+  int err = 0;       // errno
+  std::string path;  // what failed to open
+};
+
+// Each returns nullopt and fills *error when the file cannot be read.
+std::optional<std::vector<std::string>> mapped_paths(pid_t pid, ProcReadError* error);
+std::optional<std::vector<OpenFile>> open_files(pid_t pid, ProcReadError* error);
+std::optional<std::vector<std::string>> thread_names(pid_t pid, ProcReadError* error);
+std::optional<pid_t> parent_of(pid_t pid, ProcReadError* error);
+std::optional<std::vector<std::string>> environment_of(pid_t pid, ProcReadError* error);
+
+// kcmp(KCMP_FILE): 1 when both fds are the same open file description, 0 when not, -errno on
+// failure (ENOSYS, EPERM where kcmp is filtered or ptrace access is refused).
+int same_file_description(pid_t a, int fd_a, pid_t b, int fd_b);
+
+}  // namespace forkguard::probe::detail

@@ -1,0 +1,175 @@
+// forkguard doctor as a user runs it: exit codes, text, JSON, errors.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "paths.hpp"
+
+namespace ft = forkguard::testing;
+using nlohmann::json;
+
+namespace {
+
+class Doctor : public ::testing::Test {
+ protected:
+  ft::TempDir dir_;
+  ft::EnvOverrides env_ = ft::fake_cuda_env(dir_.path());
+
+  ft::RunResult doctor(std::vector<std::string> args) {
+    args.insert(args.begin(), {ft::kForkguard, "doctor"});
+    return ft::run(args, env_);
+  }
+  json doctor_json(pid_t pid, int expect_exit) {
+    auto r = doctor({"--pid", std::to_string(pid), "--json"});
+    EXPECT_EQ(r.exit_code, expect_exit) << r.out << r.err;
+    return json::parse(r.out);
+  }
+};
+
+std::string helper_verdict(ft::Interactive& h) {
+  std::istringstream in(h.ask("probe"));
+  std::string word, verdict;
+  in >> word >> verdict;
+  return verdict;
+}
+
+}  // namespace
+
+TEST_F(Doctor, SelfIsCleanAndForkSafe) {
+  auto r = doctor({"--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = json::parse(r.out);
+  EXPECT_EQ(j["verdict"], "clean");
+  EXPECT_EQ(j["fork_safe"], true);
+  EXPECT_TRUE(j["evidence"].is_array());
+  EXPECT_FALSE(j["advice"].empty());
+  for (const char* key : {"pid", "verdict", "fork_safe", "evidence", "advice", "environment"}) {
+    EXPECT_TRUE(j.contains(key)) << key;
+  }
+}
+
+TEST_F(Doctor, AgreesWithTheProcessesOwnProbeAtEveryStage) {
+  ft::Interactive h({ft::kCudaStage}, env_);
+  struct Stage {
+    const char* command;
+    const char* verdict;
+    int exit;
+  } stages[] = {{nullptr, "clean", 0},
+                {"load", "driver_loaded", 0},
+                {"init", "initialized", 3},
+                {"ctx", "context_active", 3}};
+  for (const auto& s : stages) {
+    if (s.command != nullptr) {
+      ASSERT_EQ(h.ask(s.command), "ok") << s.command;
+    }
+    auto j = doctor_json(h.pid(), s.exit);
+    EXPECT_EQ(j["pid"], h.pid());
+    EXPECT_EQ(j["verdict"], s.verdict);
+    EXPECT_EQ(j["verdict"], helper_verdict(h)) << "doctor --pid and probe::self disagree";
+    EXPECT_EQ(j["fork_safe"], s.exit == 0);
+  }
+}
+
+TEST_F(Doctor, PoisonedChildNamesItsParentAndTheCure) {
+  ft::Interactive h({ft::kCudaStage}, env_);
+  ASSERT_EQ(h.ask("init"), "ok");
+  pid_t parent = h.pid();
+  auto line = h.ask("fork");
+  pid_t child = std::stoi(line.substr(6));
+  auto r = doctor({"--pid", std::to_string(child)});
+  EXPECT_EQ(r.exit_code, 3) << r.err;
+  EXPECT_NE(r.out.find("verdict: poisoned (fork UNSAFE)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("forked from a parent (PID " + std::to_string(parent) + ")"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("CUDA_ERROR_NOT_INITIALIZED"), std::string::npos);
+  EXPECT_NE(r.out.find("inherited_file"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("spawn"), std::string::npos) << r.out;
+  h.send("exit");
+  EXPECT_EQ(h.read_line(), "parent 0");
+}
+
+TEST_F(Doctor, InitializedTextGivesEvidenceAndEveryCure) {
+  ft::Interactive h({ft::kCudaStage}, env_);
+  ASSERT_EQ(h.ask("init"), "ok");
+  auto r = doctor({"--pid", std::to_string(h.pid())});
+  EXPECT_EQ(r.exit_code, 3);
+  EXPECT_NE(r.out.find("verdict: initialized (fork UNSAFE)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("driver_thread"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("nvidia-uvm"), std::string::npos) << r.out;
+  for (const char* cure : {"--start-method spawn", "PYTORCH_NVML_BASED_CUDA_CHECK=1", "CPU-only",
+                           "after the launch"}) {
+    EXPECT_NE(r.out.find(cure), std::string::npos) << cure << "\n" << r.out;
+  }
+}
+
+TEST_F(Doctor, EnvironmentListsGpusAndCallsOutVisibleDeviceMismatches) {
+  ft::Interactive h({ft::kCudaStage}, [&] {
+    auto env = env_;
+    env["CUDA_VISIBLE_DEVICES"] = "1,5";
+    return env;
+  }());
+  ASSERT_EQ(h.ask("pid"), "pid " + std::to_string(h.pid()));  // exec'd: /proc shows its environ
+  auto j = doctor_json(h.pid(), 0);
+  const auto& e = j["environment"];
+  EXPECT_EQ(e["gpus"].size(), 2u);
+  EXPECT_EQ(e["gpus"][1]["uuid"], "GPU-fa4e0000-0000-4000-8000-000000000001");
+  EXPECT_EQ(e["driver_version"], "999.99-fake");
+  EXPECT_EQ(e["cuda_visible_devices"]["value"], "1,5");
+  EXPECT_EQ(e["cuda_visible_devices"]["visible"], json::array({1}));
+  ASSERT_EQ(e["cuda_visible_devices"]["problems"].size(), 1u);
+  EXPECT_NE(
+      e["cuda_visible_devices"]["problems"][0].get<std::string>().find("\"5\" is out of range"),
+      std::string::npos);
+  auto text = doctor({"--pid", std::to_string(h.pid())});
+  EXPECT_NE(text.out.find("mismatch: CUDA_VISIBLE_DEVICES entry 1 \"5\""), std::string::npos)
+      << text.out;
+}
+
+TEST_F(Doctor, DoctorsOwnNvmlDoesNotTaintItsVerdict) {
+  auto r = doctor({});
+  EXPECT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("verdict: clean"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("GPUs from nvml"), std::string::npos) << r.out;
+}
+
+TEST_F(Doctor, WithoutNvmlSaysWhereItLooked) {
+  env_["FORKGUARD_NVML_LIBRARY"] = "/nonexistent/libnvidia-ml.so.1";
+  auto j = json::parse(doctor({"--json"}).out);
+  EXPECT_NE(j["environment"]["gpu_notes"].dump().find("/nonexistent/libnvidia-ml.so.1"),
+            std::string::npos)
+      << j.dump();
+}
+
+TEST_F(Doctor, MissingPidIsExit2NamingIt) {
+  auto r = doctor({"--pid", "99999999"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("no process with PID 99999999"), std::string::npos) << r.err;
+  EXPECT_TRUE(r.out.empty());
+}
+
+TEST_F(Doctor, UsageErrorsAreExit2) {
+  EXPECT_EQ(doctor({"--pid", "abc"}).exit_code, 2);
+  EXPECT_EQ(doctor({"--bogus"}).exit_code, 2);
+  EXPECT_EQ(ft::run({ft::kForkguard}).exit_code, 2);
+  auto help = ft::run({ft::kForkguard, "doctor", "--help"});
+  EXPECT_EQ(help.exit_code, 0);
+  EXPECT_NE(help.out.find("--pid"), std::string::npos);
+}
+
+TEST_F(Doctor, PermissionDeniedIsExit2SayingWhy) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to run the doctor as another user";
+  auto probe = ft::run({"/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                        ft::kForkguard, "--version"});
+  if (probe.exit_code != 0) {
+    GTEST_SKIP() << "user 65534 cannot run " << ft::kForkguard << ": " << probe.err;
+  }
+  auto r = ft::run({"/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                    ft::kForkguard, "doctor", "--pid", std::to_string(::getpid())});
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("not allowed to inspect PID " + std::to_string(::getpid())),
+            std::string::npos)
+      << r.err;
+}

@@ -1,0 +1,458 @@
+// The test driver: a stand-in libcuda.so.1 with the real driver's fork semantics.
+//
+// - cuInit records the owner PID, opens nvidiactl, nvidia-uvm and nvidiaN (see fake_common.hpp)
+//   and starts a thread named like the real driver's ("cuda-EvtHandlr").
+// - Before cuInit every call except cuInit, cuDriverGetVersion and the error-name calls returns
+//   CUDA_ERROR_NOT_INITIALIZED and changes nothing.
+// - In a child forked after cuInit, every call, cuInit included, returns
+//   CUDA_ERROR_NOT_INITIALIZED: the driver's state does not survive fork.
+// - Device count from FAKE_CUDA_DEVICES, filtered by CUDA_VISIBLE_DEVICES (indices or the fake
+//   UUIDs) as the real driver does.
+// - Contexts map their GPU's device file (as real contexts map /dev/nvidiaN); memory, streams and
+//   events are host-backed so copies can be checked byte for byte.
+#include <pthread.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <poll.h>
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "fake_common.hpp"
+#include "forkguard/cuda/api.hpp"
+
+using namespace forkguard::cuda;  // NOLINT: the C API's names, as in cuda.h
+
+struct CUctx_st {
+  int device = 0;
+  int refs = 0;
+  void* mapping = nullptr;
+};
+struct CUstream_st {
+  int unused = 0;
+};
+struct CUevent_st {
+  bool recorded = false;
+};
+
+namespace {
+
+constexpr size_t kMapBytes = 4096;
+
+std::atomic<pid_t> g_owner{0};
+std::mutex g_mutex;
+int g_count = 0;              // visible devices, fixed at cuInit
+std::vector<int> g_physical;  // visible ordinal -> physical index
+std::vector<int> g_fds;       // device files opened by cuInit
+CUctx_st g_primary[64];
+std::map<CUdeviceptr, size_t> g_allocations;
+std::map<const char*, size_t> g_registered;
+thread_local CUcontext g_current = nullptr;
+
+CUresult done(const char* fn, CUresult r) {
+  fake_cuda::log_call(fn, r);
+  return r;
+}
+
+bool forked_child() {
+  pid_t owner = g_owner.load();
+  return owner != 0 && owner != ::getpid();
+}
+
+bool initialized() {
+  return g_owner.load() == ::getpid();
+}
+
+// The real driver's rules: stop at the first invalid, unknown or repeated entry.
+std::vector<int> visible_devices(int physical) {
+  std::vector<int> out;
+  const char* v = std::getenv("CUDA_VISIBLE_DEVICES");
+  if (v == nullptr) {
+    for (int i = 0; i < physical; ++i) out.push_back(i);
+    return out;
+  }
+  std::string s(v);
+  size_t pos = 0;
+  while (pos <= s.size() && !s.empty()) {
+    size_t comma = s.find(',', pos);
+    std::string item = s.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    while (!item.empty() && item.front() == ' ') item.erase(item.begin());
+    while (!item.empty() && item.back() == ' ') item.pop_back();
+    int idx = -1;
+    if (!item.empty() && item.find_first_not_of("0123456789") == std::string::npos &&
+        item.size() < 9) {
+      idx = std::atoi(item.c_str());
+    } else {
+      for (int i = 0; i < physical; ++i) {
+        if (!item.empty() && fake_cuda::uuid_of(i).rfind(item, 0) == 0 && item.size() > 4) idx = i;
+      }
+    }
+    bool repeated = false;
+    for (int o : out) repeated = repeated || o == idx;
+    if (idx < 0 || idx >= physical || repeated) break;
+    out.push_back(idx);
+    if (comma == std::string::npos) break;
+    pos = comma + 1;
+  }
+  return out;
+}
+
+void* event_handler_thread(void*) {
+  while (true) ::poll(nullptr, 0, -1);
+  return nullptr;
+}
+
+// Common prologue: poisoned child and not-yet-initialized both answer CUDA_ERROR_NOT_INITIALIZED.
+#define FAKE_REQUIRE_INIT(fn) \
+  if (forked_child() || !initialized()) return done(fn, CUDA_ERROR_NOT_INITIALIZED);
+
+#define FAKE_REQUIRE_CONTEXT(fn) \
+  if (g_current == nullptr) return done(fn, CUDA_ERROR_INVALID_CONTEXT);
+
+bool device_range_ok(CUdeviceptr p, size_t bytes) {
+  auto it = g_allocations.upper_bound(p);
+  if (it == g_allocations.begin()) return false;
+  --it;
+  return p >= it->first && p + bytes <= it->first + it->second;
+}
+
+const char* result_name(CUresult r) {
+  switch (r) {
+    case CUDA_SUCCESS: return "CUDA_SUCCESS";
+    case CUDA_ERROR_INVALID_VALUE: return "CUDA_ERROR_INVALID_VALUE";
+    case CUDA_ERROR_OUT_OF_MEMORY: return "CUDA_ERROR_OUT_OF_MEMORY";
+    case CUDA_ERROR_NOT_INITIALIZED: return "CUDA_ERROR_NOT_INITIALIZED";
+    case CUDA_ERROR_NO_DEVICE: return "CUDA_ERROR_NO_DEVICE";
+    case CUDA_ERROR_INVALID_DEVICE: return "CUDA_ERROR_INVALID_DEVICE";
+    case CUDA_ERROR_INVALID_CONTEXT: return "CUDA_ERROR_INVALID_CONTEXT";
+    case CUDA_ERROR_INVALID_HANDLE: return "CUDA_ERROR_INVALID_HANDLE";
+    case CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
+      return "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED";
+    case CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED: return "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED";
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+CUresult cuInit(unsigned int flags) {
+  if (forked_child()) return done("cuInit", CUDA_ERROR_NOT_INITIALIZED);
+  if (flags != 0) return done("cuInit", CUDA_ERROR_INVALID_VALUE);
+  std::lock_guard lock(g_mutex);
+  if (initialized()) return done("cuInit", CUDA_SUCCESS);
+  int physical = fake_cuda::device_count();
+  g_physical = visible_devices(physical);
+  g_count = static_cast<int>(g_physical.size());
+  if (g_count == 0) return done("cuInit", CUDA_ERROR_NO_DEVICE);
+  const char* always[] = {"nvidiactl", "nvidia-uvm"};
+  for (const char* name : always) g_fds.push_back(fake_cuda::open_device(name));
+  for (int i = 0; i < physical; ++i) {
+    std::string name = "nvidia" + std::to_string(i);
+    g_fds.push_back(fake_cuda::open_device(name.c_str()));
+  }
+  for (int fd : g_fds) {
+    if (fd < 0) return done("cuInit", CUDA_ERROR_UNKNOWN);
+  }
+  pthread_t thread;
+  if (pthread_create(&thread, nullptr, event_handler_thread, nullptr) != 0) {
+    return done("cuInit", CUDA_ERROR_OUT_OF_MEMORY);
+  }
+  pthread_setname_np(thread, "cuda-EvtHandlr");
+  pthread_detach(thread);
+  for (int i = 0; i < g_count; ++i) g_primary[i].device = i;
+  g_owner.store(::getpid());
+  return done("cuInit", CUDA_SUCCESS);
+}
+
+CUresult cuDriverGetVersion(int* version) {
+  if (forked_child()) return done("cuDriverGetVersion", CUDA_ERROR_NOT_INITIALIZED);
+  if (version == nullptr) return done("cuDriverGetVersion", CUDA_ERROR_INVALID_VALUE);
+  *version = 12080;
+  return done("cuDriverGetVersion", CUDA_SUCCESS);
+}
+
+CUresult cuGetErrorName(CUresult error, const char** name) {
+  if (forked_child()) return done("cuGetErrorName", CUDA_ERROR_NOT_INITIALIZED);
+  const char* n = result_name(error);
+  if (n == nullptr || name == nullptr) return done("cuGetErrorName", CUDA_ERROR_INVALID_VALUE);
+  *name = n;
+  return done("cuGetErrorName", CUDA_SUCCESS);
+}
+
+CUresult cuGetErrorString(CUresult error, const char** text) {
+  if (forked_child()) return done("cuGetErrorString", CUDA_ERROR_NOT_INITIALIZED);
+  const char* n = result_name(error);
+  if (n == nullptr || text == nullptr) return done("cuGetErrorString", CUDA_ERROR_INVALID_VALUE);
+  *text = n;
+  return done("cuGetErrorString", CUDA_SUCCESS);
+}
+
+CUresult cuDeviceGetCount(int* count) {
+  FAKE_REQUIRE_INIT("cuDeviceGetCount");
+  if (count == nullptr) return done("cuDeviceGetCount", CUDA_ERROR_INVALID_VALUE);
+  *count = g_count;
+  return done("cuDeviceGetCount", CUDA_SUCCESS);
+}
+
+CUresult cuDeviceGet(CUdevice* device, int ordinal) {
+  FAKE_REQUIRE_INIT("cuDeviceGet");
+  if (device == nullptr) return done("cuDeviceGet", CUDA_ERROR_INVALID_VALUE);
+  if (ordinal < 0 || ordinal >= g_count) return done("cuDeviceGet", CUDA_ERROR_INVALID_DEVICE);
+  *device = ordinal;
+  return done("cuDeviceGet", CUDA_SUCCESS);
+}
+
+CUresult cuDeviceGetName(char* name, int len, CUdevice dev) {
+  FAKE_REQUIRE_INIT("cuDeviceGetName");
+  if (dev < 0 || dev >= g_count) return done("cuDeviceGetName", CUDA_ERROR_INVALID_DEVICE);
+  if (name == nullptr || len <= 0) return done("cuDeviceGetName", CUDA_ERROR_INVALID_VALUE);
+  std::snprintf(name, static_cast<size_t>(len), "Fake CUDA Device %d", g_physical[dev]);
+  return done("cuDeviceGetName", CUDA_SUCCESS);
+}
+
+CUresult cuDeviceTotalMem_v2(size_t* bytes, CUdevice dev) {
+  FAKE_REQUIRE_INIT("cuDeviceTotalMem_v2");
+  if (dev < 0 || dev >= g_count) return done("cuDeviceTotalMem_v2", CUDA_ERROR_INVALID_DEVICE);
+  if (bytes == nullptr) return done("cuDeviceTotalMem_v2", CUDA_ERROR_INVALID_VALUE);
+  *bytes = size_t{16} << 30;
+  return done("cuDeviceTotalMem_v2", CUDA_SUCCESS);
+}
+
+CUresult cuDeviceGetAttribute(int* value, CUdevice_attribute attrib, CUdevice dev) {
+  FAKE_REQUIRE_INIT("cuDeviceGetAttribute");
+  if (dev < 0 || dev >= g_count) return done("cuDeviceGetAttribute", CUDA_ERROR_INVALID_DEVICE);
+  if (value == nullptr) return done("cuDeviceGetAttribute", CUDA_ERROR_INVALID_VALUE);
+  switch (attrib) {
+    case CU_DEVICE_ATTRIBUTE_PCI_BUS_ID: *value = g_physical[dev] + 1; break;
+    case CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID: *value = 0; break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *value = 9; break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *value = 0; break;
+    default: return done("cuDeviceGetAttribute", CUDA_ERROR_INVALID_VALUE);
+  }
+  return done("cuDeviceGetAttribute", CUDA_SUCCESS);
+}
+
+CUresult cuDevicePrimaryCtxRetain(CUcontext* ctx, CUdevice dev) {
+  FAKE_REQUIRE_INIT("cuDevicePrimaryCtxRetain");
+  if (dev < 0 || dev >= g_count) return done("cuDevicePrimaryCtxRetain", CUDA_ERROR_INVALID_DEVICE);
+  if (ctx == nullptr) return done("cuDevicePrimaryCtxRetain", CUDA_ERROR_INVALID_VALUE);
+  std::lock_guard lock(g_mutex);
+  CUctx_st& c = g_primary[dev];
+  if (c.refs == 0) {
+    // A live context maps its GPU's device file, as the real driver's contexts map /dev/nvidiaN.
+    std::string name = "nvidia" + std::to_string(g_physical[dev]);
+    int fd = fake_cuda::open_device(name.c_str());
+    if (fd < 0) return done("cuDevicePrimaryCtxRetain", CUDA_ERROR_UNKNOWN);
+    if (::ftruncate(fd, kMapBytes) != 0) {
+      ::close(fd);
+      return done("cuDevicePrimaryCtxRetain", CUDA_ERROR_UNKNOWN);
+    }
+    void* m = ::mmap(nullptr, kMapBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    ::close(fd);
+    if (m == MAP_FAILED) return done("cuDevicePrimaryCtxRetain", CUDA_ERROR_OUT_OF_MEMORY);
+    c.mapping = m;
+  }
+  ++c.refs;
+  *ctx = &c;
+  return done("cuDevicePrimaryCtxRetain", CUDA_SUCCESS);
+}
+
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
+  FAKE_REQUIRE_INIT("cuDevicePrimaryCtxRelease_v2");
+  if (dev < 0 || dev >= g_count) {
+    return done("cuDevicePrimaryCtxRelease_v2", CUDA_ERROR_INVALID_DEVICE);
+  }
+  std::lock_guard lock(g_mutex);
+  CUctx_st& c = g_primary[dev];
+  if (c.refs == 0) return done("cuDevicePrimaryCtxRelease_v2", CUDA_ERROR_INVALID_CONTEXT);
+  if (--c.refs == 0) {
+    ::munmap(c.mapping, kMapBytes);
+    c.mapping = nullptr;
+    if (g_current == &c) g_current = nullptr;
+  }
+  return done("cuDevicePrimaryCtxRelease_v2", CUDA_SUCCESS);
+}
+
+CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int* flags, int* active) {
+  FAKE_REQUIRE_INIT("cuDevicePrimaryCtxGetState");
+  if (dev < 0 || dev >= g_count) {
+    return done("cuDevicePrimaryCtxGetState", CUDA_ERROR_INVALID_DEVICE);
+  }
+  if (flags == nullptr || active == nullptr) {
+    return done("cuDevicePrimaryCtxGetState", CUDA_ERROR_INVALID_VALUE);
+  }
+  std::lock_guard lock(g_mutex);
+  *flags = 0;
+  *active = g_primary[dev].refs > 0 ? 1 : 0;
+  return done("cuDevicePrimaryCtxGetState", CUDA_SUCCESS);
+}
+
+CUresult cuCtxSetCurrent(CUcontext ctx) {
+  FAKE_REQUIRE_INIT("cuCtxSetCurrent");
+  if (ctx != nullptr && ctx->refs == 0) return done("cuCtxSetCurrent", CUDA_ERROR_INVALID_CONTEXT);
+  g_current = ctx;
+  return done("cuCtxSetCurrent", CUDA_SUCCESS);
+}
+
+CUresult cuCtxGetCurrent(CUcontext* ctx) {
+  FAKE_REQUIRE_INIT("cuCtxGetCurrent");
+  if (ctx == nullptr) return done("cuCtxGetCurrent", CUDA_ERROR_INVALID_VALUE);
+  *ctx = g_current;
+  return done("cuCtxGetCurrent", CUDA_SUCCESS);
+}
+
+CUresult cuCtxSynchronize() {
+  FAKE_REQUIRE_INIT("cuCtxSynchronize");
+  FAKE_REQUIRE_CONTEXT("cuCtxSynchronize");
+  return done("cuCtxSynchronize", CUDA_SUCCESS);
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr* dptr, size_t bytes) {
+  FAKE_REQUIRE_INIT("cuMemAlloc_v2");
+  FAKE_REQUIRE_CONTEXT("cuMemAlloc_v2");
+  if (dptr == nullptr || bytes == 0) return done("cuMemAlloc_v2", CUDA_ERROR_INVALID_VALUE);
+  void* p = std::malloc(bytes);
+  if (p == nullptr) return done("cuMemAlloc_v2", CUDA_ERROR_OUT_OF_MEMORY);
+  std::lock_guard lock(g_mutex);
+  *dptr = reinterpret_cast<CUdeviceptr>(p);
+  g_allocations[*dptr] = bytes;
+  return done("cuMemAlloc_v2", CUDA_SUCCESS);
+}
+
+CUresult cuMemFree_v2(CUdeviceptr dptr) {
+  FAKE_REQUIRE_INIT("cuMemFree_v2");
+  FAKE_REQUIRE_CONTEXT("cuMemFree_v2");
+  std::lock_guard lock(g_mutex);
+  auto it = g_allocations.find(dptr);
+  if (it == g_allocations.end()) return done("cuMemFree_v2", CUDA_ERROR_INVALID_VALUE);
+  std::free(reinterpret_cast<void*>(dptr));
+  g_allocations.erase(it);
+  return done("cuMemFree_v2", CUDA_SUCCESS);
+}
+
+CUresult cuMemHostRegister_v2(void* p, size_t bytes, unsigned int /*flags*/) {
+  FAKE_REQUIRE_INIT("cuMemHostRegister_v2");
+  FAKE_REQUIRE_CONTEXT("cuMemHostRegister_v2");
+  if (p == nullptr || bytes == 0) return done("cuMemHostRegister_v2", CUDA_ERROR_INVALID_VALUE);
+  std::lock_guard lock(g_mutex);
+  const char* begin = static_cast<const char*>(p);
+  for (const auto& [start, len] : g_registered) {
+    if (begin < start + len && start < begin + bytes) {
+      return done("cuMemHostRegister_v2", CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
+    }
+  }
+  g_registered[begin] = bytes;
+  return done("cuMemHostRegister_v2", CUDA_SUCCESS);
+}
+
+CUresult cuMemHostUnregister(void* p) {
+  FAKE_REQUIRE_INIT("cuMemHostUnregister");
+  FAKE_REQUIRE_CONTEXT("cuMemHostUnregister");
+  std::lock_guard lock(g_mutex);
+  if (g_registered.erase(static_cast<const char*>(p)) == 0) {
+    return done("cuMemHostUnregister", CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED);
+  }
+  return done("cuMemHostUnregister", CUDA_SUCCESS);
+}
+
+namespace {
+CUresult copy_htod(const char* fn, CUdeviceptr dst, const void* src, size_t bytes) {
+  FAKE_REQUIRE_INIT(fn);
+  FAKE_REQUIRE_CONTEXT(fn);
+  std::lock_guard lock(g_mutex);
+  if (src == nullptr || !device_range_ok(dst, bytes)) return done(fn, CUDA_ERROR_INVALID_VALUE);
+  std::memcpy(reinterpret_cast<void*>(dst), src, bytes);
+  return done(fn, CUDA_SUCCESS);
+}
+CUresult copy_dtoh(const char* fn, void* dst, CUdeviceptr src, size_t bytes) {
+  FAKE_REQUIRE_INIT(fn);
+  FAKE_REQUIRE_CONTEXT(fn);
+  std::lock_guard lock(g_mutex);
+  if (dst == nullptr || !device_range_ok(src, bytes)) return done(fn, CUDA_ERROR_INVALID_VALUE);
+  std::memcpy(dst, reinterpret_cast<const void*>(src), bytes);
+  return done(fn, CUDA_SUCCESS);
+}
+}  // namespace
+
+CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t bytes) {
+  return copy_htod("cuMemcpyHtoD_v2", dst, src, bytes);
+}
+CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t bytes) {
+  return copy_dtoh("cuMemcpyDtoH_v2", dst, src, bytes);
+}
+// Host-backed: an "async" copy completes before it returns, which is one legal schedule.
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t bytes, CUstream) {
+  return copy_htod("cuMemcpyHtoDAsync_v2", dst, src, bytes);
+}
+CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t bytes, CUstream) {
+  return copy_dtoh("cuMemcpyDtoHAsync_v2", dst, src, bytes);
+}
+
+CUresult cuStreamCreate(CUstream* stream, unsigned int) {
+  FAKE_REQUIRE_INIT("cuStreamCreate");
+  FAKE_REQUIRE_CONTEXT("cuStreamCreate");
+  if (stream == nullptr) return done("cuStreamCreate", CUDA_ERROR_INVALID_VALUE);
+  *stream = new CUstream_st;
+  return done("cuStreamCreate", CUDA_SUCCESS);
+}
+
+CUresult cuStreamDestroy_v2(CUstream stream) {
+  FAKE_REQUIRE_INIT("cuStreamDestroy_v2");
+  if (stream == nullptr) return done("cuStreamDestroy_v2", CUDA_ERROR_INVALID_HANDLE);
+  delete stream;
+  return done("cuStreamDestroy_v2", CUDA_SUCCESS);
+}
+
+CUresult cuStreamSynchronize(CUstream) {
+  FAKE_REQUIRE_INIT("cuStreamSynchronize");
+  FAKE_REQUIRE_CONTEXT("cuStreamSynchronize");
+  return done("cuStreamSynchronize", CUDA_SUCCESS);
+}
+
+CUresult cuEventCreate(CUevent* event, unsigned int) {
+  FAKE_REQUIRE_INIT("cuEventCreate");
+  FAKE_REQUIRE_CONTEXT("cuEventCreate");
+  if (event == nullptr) return done("cuEventCreate", CUDA_ERROR_INVALID_VALUE);
+  *event = new CUevent_st;
+  return done("cuEventCreate", CUDA_SUCCESS);
+}
+
+CUresult cuEventRecord(CUevent event, CUstream) {
+  FAKE_REQUIRE_INIT("cuEventRecord");
+  if (event == nullptr) return done("cuEventRecord", CUDA_ERROR_INVALID_HANDLE);
+  event->recorded = true;
+  return done("cuEventRecord", CUDA_SUCCESS);
+}
+
+CUresult cuEventQuery(CUevent event) {
+  FAKE_REQUIRE_INIT("cuEventQuery");
+  if (event == nullptr) return done("cuEventQuery", CUDA_ERROR_INVALID_HANDLE);
+  return done("cuEventQuery", CUDA_SUCCESS);
+}
+
+CUresult cuEventSynchronize(CUevent event) {
+  FAKE_REQUIRE_INIT("cuEventSynchronize");
+  if (event == nullptr) return done("cuEventSynchronize", CUDA_ERROR_INVALID_HANDLE);
+  return done("cuEventSynchronize", CUDA_SUCCESS);
+}
+
+CUresult cuEventDestroy_v2(CUevent event) {
+  FAKE_REQUIRE_INIT("cuEventDestroy_v2");
+  if (event == nullptr) return done("cuEventDestroy_v2", CUDA_ERROR_INVALID_HANDLE);
+  delete event;
+  return done("cuEventDestroy_v2", CUDA_SUCCESS);
+}
+
+}  // extern "C"
+
+// Every exported function has exactly the signature forkguard's loader expects.
+#define FAKE_CHECK_SIGNATURE(name, ret, params) \
+  static_assert(std::is_same_v<decltype(&::name), PFN_##name>, #name);
+FORKGUARD_CUDA_DRIVER_FUNCTIONS(FAKE_CHECK_SIGNATURE)
