@@ -5,7 +5,11 @@
 //   build/release/bin/probe_bench
 #include <benchmark/benchmark.h>
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <unistd.h>
+
+#include <map>
+#include <string>
 
 #include "forkguard/probe/cuda_state.hpp"
 
@@ -32,4 +36,35 @@ static void BM_ProbeParent(benchmark::State& state) {
 }
 BENCHMARK(BM_ProbeParent);
 
-BENCHMARK_MAIN();
+namespace {
+
+// The console report, plus each benchmark's time kept for the ratios printed at the end.
+class RatioReporter : public benchmark::ConsoleReporter {
+ public:
+  RatioReporter() : ConsoleReporter(::isatty(1) ? OO_Defaults : OO_Tabular) {}
+  void ReportRuns(const std::vector<Run>& runs) override {
+    for (const auto& r : runs) {
+      if (r.run_type == Run::RT_Iteration) times[r.benchmark_name()] = r.GetAdjustedRealTime();
+    }
+    ConsoleReporter::ReportRuns(runs);
+  }
+  std::map<std::string, double> times;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  RatioReporter reporter;
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+  benchmark::Shutdown();
+  const double peer = reporter.times["BM_ReadProcSelfMaps"];
+  if (peer > 0) {
+    for (const char* name : {"BM_ProbeSelf", "BM_ProbeParent"}) {
+      if (reporter.times.count(name) != 0) {
+        fmt::print("ratio {} / BM_ReadProcSelfMaps = {:.2f}\n", name, reporter.times[name] / peer);
+      }
+    }
+  }
+  return 0;
+}
