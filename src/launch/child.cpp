@@ -1,0 +1,183 @@
+#include "launch/child.hpp"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+
+#include "forkguard/launch/launcher.hpp"
+
+extern char** environ;
+
+namespace forkguard::launch::detail {
+namespace {
+
+std::string resolve_executable(const std::string& name, const EnvMap& env) {
+  if (name.find('/') != std::string::npos) return name;
+  auto it = env.find("PATH");
+  std::string path = it != env.end() ? it->second : "/usr/local/bin:/usr/bin:/bin";
+  size_t pos = 0;
+  while (pos <= path.size()) {
+    size_t colon = path.find(':', pos);
+    std::string dir = path.substr(pos, colon == std::string::npos ? std::string::npos : colon - pos);
+    std::string candidate = (dir.empty() ? "." : dir) + "/" + name;
+    struct stat st {};
+    if (::stat(candidate.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
+        ::access(candidate.c_str(), X_OK) == 0) {
+      return candidate;
+    }
+    if (colon == std::string::npos) break;
+    pos = colon + 1;
+  }
+  return name;  // execve reports ENOENT, and the error names it
+}
+
+void close_fds_except(int keep) noexcept {
+  if (keep < 3) {
+    ::syscall(SYS_close_range, 3u, ~0u, 0u);
+    return;
+  }
+  if (keep > 3) ::syscall(SYS_close_range, 3u, static_cast<unsigned>(keep - 1), 0u);
+  ::syscall(SYS_close_range, static_cast<unsigned>(keep + 1), ~0u, 0u);
+}
+
+void write_all(int fd, const void* data, size_t len) noexcept {
+  const char* p = static_cast<const char*>(data);
+  while (len > 0) {
+    ssize_t n = ::write(fd, p, len);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    p += n;
+    len -= static_cast<size_t>(n);
+  }
+}
+
+}  // namespace
+
+std::vector<std::string> flatten(const EnvMap& env) {
+  std::vector<std::string> out;
+  out.reserve(env.size());
+  for (const auto& [k, v] : env) out.push_back(k + "=" + v);
+  return out;
+}
+
+std::vector<char*> c_array(std::vector<std::string>& strings) {
+  std::vector<char*> out;
+  out.reserve(strings.size() + 1);
+  for (auto& s : strings) out.push_back(s.data());
+  out.push_back(nullptr);
+  return out;
+}
+
+PreparedExec prepare_exec(const std::vector<std::string>& argv, const EnvMap& env) {
+  if (argv.empty()) throw Error("error preparing to execute: empty command");
+  PreparedExec p;
+  p.path = resolve_executable(argv[0], env);
+  p.argv_storage = argv;
+  p.env_storage = flatten(env);
+  p.argv = c_array(p.argv_storage);
+  p.envp = c_array(p.env_storage);
+  return p;
+}
+
+// ============ child side: no malloc, no locks, no exceptions from here ============
+bool child_setup(pid_t parent, const ChildIo& io, int keep_fd) noexcept {
+  ::setpgid(0, 0);
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != parent) return false;  // the parent died before PDEATHSIG was armed
+  if (io.stdout_fd >= 0 && io.stdout_fd != 1) ::dup2(io.stdout_fd, 1);
+  if (io.stderr_fd >= 0 && io.stderr_fd != 2) ::dup2(io.stderr_fd, 2);
+  close_fds_except(keep_fd);
+  sigset_t none;
+  sigemptyset(&none);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGPIPE, SIGCHLD}) ::signal(sig, SIG_DFL);
+  return true;
+}
+// ===================================================================================
+
+UniqueFd open_pidfd(pid_t pid) {
+  UniqueFd fd(static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)));
+  if (!fd) throw SystemError(fmt::format("pidfd_open({})", pid), errno);
+  return fd;
+}
+
+StartedChild spawn_exec(const PreparedExec& exec, const ChildIo& io) {
+  int err_pipe[2];
+  if (::pipe2(err_pipe, O_CLOEXEC) != 0) {
+    throw SpawnError(fmt::format("error preparing to execute {}: pipe2: {}", exec.path,
+                                 std::strerror(errno)));
+  }
+  const pid_t parent = ::getpid();
+  pid_t pid = ::fork();
+  if (pid < 0) {
+    int e = errno;
+    ::close(err_pipe[0]);
+    ::close(err_pipe[1]);
+    throw SpawnError(fmt::format("error preparing to execute {}: fork: {}", exec.path,
+                                 std::strerror(e)));
+  }
+  if (pid == 0) {
+    // ============ child: async-signal-safe only ============
+    ::close(err_pipe[0]);
+    if (child_setup(parent, io, err_pipe[1])) {
+      ::execve(exec.path.c_str(), exec.argv.data(), exec.envp.data());
+    }
+    int e = errno;
+    write_all(err_pipe[1], &e, sizeof e);
+    ::_exit(127);
+  }
+  ::close(err_pipe[1]);
+  int child_errno = 0;
+  ssize_t n;
+  do {
+    n = ::read(err_pipe[0], &child_errno, sizeof child_errno);
+  } while (n < 0 && errno == EINTR);
+  ::close(err_pipe[0]);
+  if (n == sizeof child_errno) {
+    ::waitpid(pid, nullptr, 0);
+    throw SpawnError(fmt::format("failed to execute {}: {}", exec.path, std::strerror(child_errno)));
+  }
+  StartedChild child;
+  child.pid = pid;
+  child.pidfd = open_pidfd(pid);
+  return child;
+}
+
+StartedChild fork_call(EntryFunction fn, const RankContext& ctx, char** envp, const ChildIo& io) {
+  const pid_t parent = ::getpid();
+  std::fflush(nullptr);  // nothing buffered is written twice
+  pid_t pid = ::fork();
+  if (pid < 0) throw SpawnError(fmt::format("fork for rank {}: {}", ctx.rank, std::strerror(errno)));
+  if (pid == 0) {
+    // ============ child: async-signal-safe until the entry function ============
+    if (!child_setup(parent, io, -1)) ::_exit(1);
+    environ = envp;
+    int rc = 1;
+    try {
+      rc = fn(ctx);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "rank %d: uncaught exception: %s\n", ctx.rank, e.what());
+    } catch (...) {
+      std::fprintf(stderr, "rank %d: uncaught exception of unknown type\n", ctx.rank);
+    }
+    std::fflush(nullptr);
+    ::_exit(rc & 0xff);
+  }
+  StartedChild child;
+  child.pid = pid;
+  child.pidfd = open_pidfd(pid);
+  return child;
+}
+
+}  // namespace forkguard::launch::detail

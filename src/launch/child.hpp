@@ -1,0 +1,57 @@
+// Starting one child process: everything it needs is prepared (allocated) before fork(); the
+// child side is async-signal-safe until exec() or the entry function.
+#pragma once
+
+#include <sys/types.h>
+
+#include <string>
+#include <vector>
+
+#include "detail/fd.hpp"
+#include "forkguard/launch/entry.hpp"
+#include "forkguard/launch/environment.hpp"
+
+namespace forkguard::launch::detail {
+
+using forkguard::detail::UniqueFd;
+
+// argv and envp as NULL-terminated arrays, with their storage.
+struct PreparedExec {
+  std::string path;  // resolved executable (PATH searched before fork)
+  std::vector<std::string> argv_storage;
+  std::vector<std::string> env_storage;
+  std::vector<char*> argv;
+  std::vector<char*> envp;
+};
+
+// `env` is the complete environment of the child.
+PreparedExec prepare_exec(const std::vector<std::string>& argv, const EnvMap& env);
+std::vector<std::string> flatten(const EnvMap& env);
+std::vector<char*> c_array(std::vector<std::string>& strings);
+
+struct ChildIo {
+  int stdout_fd = -1;  // -1: inherit
+  int stderr_fd = -1;
+};
+
+struct StartedChild {
+  pid_t pid = -1;
+  UniqueFd pidfd;  // readable when the child exits; waitid(P_PIDFD) reaps it
+};
+
+// ============ child side: no malloc, no locks, no exceptions from here ============
+// Own process group, SIGKILL when the parent dies, stdio from io, every other fd closed
+// (keep_fd excepted), signals unblocked and reset. Returns false if the parent is already gone.
+bool child_setup(pid_t parent, const ChildIo& io, int keep_fd) noexcept;
+// ===================================================================================
+
+// fork + child_setup + execve. Throws SpawnError "failed to execute PATH: <errno text>" with the
+// errno the child reported through a close-on-exec pipe.
+StartedChild spawn_exec(const PreparedExec& exec, const ChildIo& io);
+
+// fork + child_setup + fn(ctx) with `envp` as the environment; the child _exits with its result.
+StartedChild fork_call(EntryFunction fn, const RankContext& ctx, char** envp, const ChildIo& io);
+
+UniqueFd open_pidfd(pid_t pid);
+
+}  // namespace forkguard::launch::detail

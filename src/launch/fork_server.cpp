@@ -1,0 +1,317 @@
+#include "launch/fork_server.hpp"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <vector>
+
+#include "forkguard/launch/launcher.hpp"
+#include "forkguard/probe/cuda_state.hpp"
+#include "launch/child.hpp"
+
+extern char** environ;
+
+namespace forkguard::launch::detail {
+namespace {
+
+constexpr size_t kMaxMessage = 4 << 20;
+ForkServer* g_server = nullptr;
+
+bool send_message(int sock, const std::vector<std::string>& fields, const int* fds, int nfds) {
+  std::string data = encode(fields);
+  iovec iov{data.data(), data.size()};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 2)] = {};
+  if (nfds > 0) {
+    msg.msg_control = control;
+    msg.msg_controllen = CMSG_SPACE(sizeof(int) * static_cast<size_t>(nfds));
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int) * static_cast<size_t>(nfds));
+    std::memcpy(CMSG_DATA(c), fds, sizeof(int) * static_cast<size_t>(nfds));
+  }
+  ssize_t n;
+  do {
+    n = ::sendmsg(sock, &msg, MSG_NOSIGNAL);
+  } while (n < 0 && errno == EINTR);
+  return n == static_cast<ssize_t>(data.size());
+}
+
+// Returns false on EOF or error; received fds (up to 2) land in fds[], -1 when absent.
+bool recv_message(int sock, std::vector<std::string>& fields, int fds[2], int flags) {
+  thread_local std::vector<char> buf(kMaxMessage);  // one per thread, not one per message
+  iovec iov{buf.data(), buf.size()};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 2)] = {};
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  ssize_t n;
+  do {
+    n = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | flags);
+  } while (n < 0 && errno == EINTR);
+  if (n <= 0) return false;
+  fds[0] = fds[1] = -1;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+      size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      std::memcpy(fds, CMSG_DATA(c), sizeof(int) * std::min<size_t>(count, 2));
+    }
+  }
+  fields = decode(buf.data(), static_cast<size_t>(n));
+  return true;
+}
+
+int to_int(const std::string& s) { return std::atoi(s.c_str()); }
+
+// ---------------------------------------------------------------- the zygote's side
+class Zygote {
+ public:
+  explicit Zygote(int sock) : sock_(sock) {}
+
+  [[noreturn]] void serve() {
+    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT}) ::signal(sig, SIG_IGN);  // the launcher decides
+    sigset_t chld;
+    sigemptyset(&chld);
+    sigaddset(&chld, SIGCHLD);
+    ::sigprocmask(SIG_BLOCK, &chld, nullptr);
+    int sfd = ::signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
+    while (true) {
+      pollfd fds[2] = {{sock_, POLLIN, 0}, {sfd, POLLIN, 0}};
+      if (::poll(fds, 2, -1) < 0) {
+        if (errno == EINTR) continue;
+        break;
+      }
+      if (fds[1].revents != 0) {
+        signalfd_siginfo info;
+        while (::read(sfd, &info, sizeof info) == sizeof info) {
+        }
+        reap();
+      }
+      if (fds[0].revents != 0) {
+        std::vector<std::string> fields;
+        int io[2];
+        if (!recv_message(sock_, fields, io, 0)) break;  // the program is gone: so are we
+        handle(fields, io);
+        for (int fd : io) {
+          if (fd >= 0) ::close(fd);
+        }
+      }
+    }
+    ::_exit(0);  // PR_SET_PDEATHSIG takes our ranks with us
+  }
+
+ private:
+  void reap() {
+    int status = 0;
+    pid_t pid;
+    while ((pid = ::waitpid(-1, &status, WNOHANG)) > 0) {
+      send_message(sock_, {"exit", std::to_string(pid), std::to_string(status)}, nullptr, 0);
+    }
+  }
+
+  void reply_error(const std::string& why) { send_message(sock_, {"error", why}, nullptr, 0); }
+
+  void handle(const std::vector<std::string>& f, const int io[2]) {
+    try {
+      if (f.empty()) return reply_error("empty request");
+      ChildIo child_io{io[0], io[1]};
+      if (f[0] == "entry") return start_entry(f, child_io);
+      if (f[0] == "exec") return start_exec(f, child_io);
+      reply_error("unknown request " + f[0]);
+    } catch (const std::exception& e) {
+      reply_error(e.what());
+    }
+  }
+
+  void check_clean() {
+    auto state = probe::self();
+    if (state.fork_safe) return;
+    std::string evidence;
+    for (const auto& e : state.evidence) {
+      if (e.kind != probe::EvidenceKind::kEnvironment) evidence += "; " + e.detail;
+    }
+    throw Error(fmt::format("the fork server (PID {}) is itself not fork-safe ({}{}): something "
+                            "initialized CUDA before forkguard::init() ran",
+                            ::getpid(), probe::to_string(state.verdict), evidence));
+  }
+
+  // entry NAME RANK LOCAL WORLD LOCAL_WORLD NODE RESTART NARGS ARGS... ENV...
+  void start_entry(const std::vector<std::string>& f, const ChildIo& io) {
+    if (f.size() < 9) return reply_error("malformed entry request");
+    EntryFunction fn = find_entry(f[1]);
+    if (fn == nullptr) return reply_error(fmt::format("no entry function named \"{}\"", f[1]));
+    check_clean();
+    RankContext ctx{to_int(f[2]), to_int(f[3]), to_int(f[4]), to_int(f[5]),
+                    to_int(f[6]), to_int(f[7]), {}};
+    size_t nargs = static_cast<size_t>(to_int(f[8]));
+    if (f.size() < 9 + nargs) return reply_error("malformed entry request");
+    ctx.args.assign(f.begin() + 9, f.begin() + 9 + static_cast<long>(nargs));
+    std::vector<std::string> env(f.begin() + 9 + static_cast<long>(nargs), f.end());
+    auto envp = c_array(env);
+    auto child = fork_call(fn, ctx, envp.data(), io);
+    send_message(sock_, {"started", std::to_string(child.pid)}, nullptr, 0);
+  }
+
+  // exec NARGV ARGV... ENV...
+  void start_exec(const std::vector<std::string>& f, const ChildIo& io) {
+    if (f.size() < 2) return reply_error("malformed exec request");
+    size_t nargv = static_cast<size_t>(to_int(f[1]));
+    if (f.size() < 2 + nargv || nargv == 0) return reply_error("malformed exec request");
+    std::vector<std::string> argv(f.begin() + 2, f.begin() + 2 + static_cast<long>(nargv));
+    EnvMap env;
+    for (size_t i = 2 + nargv; i < f.size(); ++i) {
+      auto eq = f[i].find('=');
+      if (eq != std::string::npos) env[f[i].substr(0, eq)] = f[i].substr(eq + 1);
+    }
+    auto child = spawn_exec(prepare_exec(argv, env), io);
+    send_message(sock_, {"started", std::to_string(child.pid)}, nullptr, 0);
+  }
+
+  int sock_;
+};
+
+}  // namespace
+
+std::string encode(const std::vector<std::string>& fields) {
+  std::string out;
+  for (const auto& f : fields) {
+    uint32_t len = static_cast<uint32_t>(f.size());
+    out.append(reinterpret_cast<const char*>(&len), sizeof len);
+    out += f;
+  }
+  return out;
+}
+
+std::vector<std::string> decode(const char* data, size_t len) {
+  std::vector<std::string> fields;
+  size_t pos = 0;
+  while (pos + sizeof(uint32_t) <= len) {
+    uint32_t n;
+    std::memcpy(&n, data + pos, sizeof n);
+    pos += sizeof n;
+    if (pos + n > len) break;
+    fields.emplace_back(data + pos, n);
+    pos += n;
+  }
+  return fields;
+}
+
+ForkServer* ForkServer::get() { return g_server; }
+
+void ForkServer::start() {
+  if (g_server != nullptr) return;
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) {
+    throw SystemError("fork server: socketpair", errno);
+  }
+  const pid_t parent = ::getpid();
+  std::fflush(nullptr);
+  pid_t pid = ::fork();
+  if (pid < 0) {
+    int e = errno;
+    ::close(sv[0]);
+    ::close(sv[1]);
+    throw SystemError("fork server: fork", e);
+  }
+  if (pid == 0) {
+    // The zygote. init() runs before the program creates threads, so this process is a
+    // single-threaded copy and may allocate.
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(0);
+    ::prctl(PR_SET_NAME, "forkguard-zygote");
+    ::close(sv[0]);
+    // Keep stdio and our socket; drop what the program had open.
+    if (sv[1] != 3) {
+      ::dup3(sv[1], 3, O_CLOEXEC);
+      ::close(sv[1]);
+    }
+    ::syscall(SYS_close_range, 4u, ~0u, 0u);
+    Zygote(3).serve();
+  }
+  ::close(sv[1]);
+  g_server = new ForkServer(pid, sv[0]);
+}
+
+bool ForkServer::read_one(bool block) {
+  std::vector<std::string> f;
+  int fds[2] = {-1, -1};
+  if (!recv_message(sock_.get(), f, fds, block ? 0 : MSG_DONTWAIT)) return false;
+  for (int fd : fds) {
+    if (fd >= 0) ::close(fd);
+  }
+  if (!f.empty() && f[0] == "exit" && f.size() == 3) {
+    exits_.emplace_back(to_int(f[1]), to_int(f[2]));
+  } else {
+    reply_ = std::move(f);
+    have_reply_ = true;
+  }
+  return true;
+}
+
+std::vector<std::pair<pid_t, int>> ForkServer::take_exits() {
+  std::lock_guard lock(mutex_);
+  while (read_one(false)) {
+  }
+  return std::exchange(exits_, {});
+}
+
+pid_t ForkServer::request(const std::vector<std::string>& fields, int stdout_fd, int stderr_fd) {
+  std::lock_guard lock(mutex_);
+  int fds[2] = {stdout_fd >= 0 ? stdout_fd : 1, stderr_fd >= 0 ? stderr_fd : 2};
+  if (!send_message(sock_.get(), fields, fds, 2)) {
+    throw SpawnError(fmt::format("the fork server (PID {}) is gone: {}", pid_, std::strerror(errno)));
+  }
+  have_reply_ = false;
+  while (!have_reply_) {
+    if (!read_one(true)) {
+      throw SpawnError(fmt::format("the fork server (PID {}) closed its socket", pid_));
+    }
+  }
+  if (reply_.size() == 2 && reply_[0] == "started") return to_int(reply_[1]);
+  throw SpawnError(fmt::format("the fork server (PID {}) refused: {}", pid_,
+                               reply_.size() >= 2 ? reply_[1] : std::string("bad reply")));
+}
+
+pid_t ForkServer::start_entry(const std::string& entry, const RankContext& ctx,
+                              const std::vector<std::string>& env, int stdout_fd, int stderr_fd) {
+  std::vector<std::string> f = {"entry",
+                                entry,
+                                std::to_string(ctx.rank),
+                                std::to_string(ctx.local_rank),
+                                std::to_string(ctx.world_size),
+                                std::to_string(ctx.local_world_size),
+                                std::to_string(ctx.node_rank),
+                                std::to_string(ctx.restart_count),
+                                std::to_string(ctx.args.size())};
+  f.insert(f.end(), ctx.args.begin(), ctx.args.end());
+  f.insert(f.end(), env.begin(), env.end());
+  return request(f, stdout_fd, stderr_fd);
+}
+
+pid_t ForkServer::start_exec(const std::vector<std::string>& argv,
+                             const std::vector<std::string>& env, int stdout_fd, int stderr_fd) {
+  std::vector<std::string> f = {"exec", std::to_string(argv.size())};
+  f.insert(f.end(), argv.begin(), argv.end());
+  f.insert(f.end(), env.begin(), env.end());
+  return request(f, stdout_fd, stderr_fd);
+}
+
+}  // namespace forkguard::launch::detail

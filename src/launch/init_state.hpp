@@ -1,0 +1,17 @@
+// What forkguard::init() recorded, for the launcher.
+#pragma once
+
+#include <string>
+
+namespace forkguard::launch::detail {
+
+inline constexpr const char* kEntryVariable = "FORKGUARD_ENTRY";
+
+struct InitState {
+  bool called = false;
+  std::string argv0;
+};
+
+InitState& init_state();
+
+}  // namespace forkguard::launch::detail

@@ -1,0 +1,593 @@
+#include "forkguard/launch/launcher.hpp"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+
+#include "forkguard/cuda/nvml.hpp"
+#include "forkguard/cuda/visible_devices.hpp"
+#include "forkguard/doctor/report.hpp"
+#include "forkguard/launch/environment.hpp"
+#include "forkguard/launch/gpu_plan.hpp"
+#include "launch/child.hpp"
+#include "launch/fork_server.hpp"
+#include "launch/init_state.hpp"
+
+#ifndef P_PIDFD
+#define P_PIDFD 3
+#endif
+
+namespace forkguard::launch {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using forkguard::detail::UniqueFd;
+
+// What to start: a command, or a registered entry.
+struct Job {
+  std::vector<std::string> argv;  // a command
+  std::string entry;              // or an entry
+  std::vector<std::string> args;  // its arguments
+  bool is_entry() const { return !entry.empty(); }
+  std::string what() const { return is_entry() ? "entry " + entry : argv[0]; }
+};
+
+void notice(const Options& o, const std::string& text) {
+  if (!o.quiet) fmt::print(stderr, "forkguard: {}\n", text);
+}
+
+// Decides the start method (and says so once under kAuto / a fallback).
+StartMethod resolve_method(const Options& o, const Job& job) {
+  auto* server = detail::ForkServer::get();
+  switch (o.start) {
+    case StartMethod::kSpawn:
+      return StartMethod::kSpawn;
+    case StartMethod::kForkServer:
+      if (server == nullptr) {
+        throw Error(
+            "start method forkserver needs the fork server: call forkguard::init(argc, argv) as "
+            "the first line of main() (and do not set FORKGUARD_NO_FORK_SERVER)");
+      }
+      return StartMethod::kForkServer;
+    case StartMethod::kFork: {
+      if (!job.is_entry()) return StartMethod::kFork;  // fork+exec: always safe
+      auto state = probe::self();
+      if (state.fork_safe) return StartMethod::kFork;
+      if (o.dirty_parent == DirtyParent::kRefuse) throw DirtyForkError(std::move(state), o.nproc);
+      auto m = server != nullptr ? StartMethod::kForkServer : StartMethod::kSpawn;
+      notice(o, fmt::format("this process is {}: starting ranks by {} instead of fork",
+                            probe::to_string(state.verdict), to_string(m)));
+      return m;
+    }
+    case StartMethod::kAuto: {
+      // A command is always started by fork+exec, safe whatever this process holds: nothing
+      // to decide, nothing to say.
+      if (!job.is_entry()) return server != nullptr ? StartMethod::kForkServer : StartMethod::kSpawn;
+      auto state = probe::self();
+      if (state.fork_safe) {
+        notice(o, fmt::format("start method auto: fork (this process is {})",
+                              probe::to_string(state.verdict)));
+        return StartMethod::kFork;
+      }
+      auto m = server != nullptr ? StartMethod::kForkServer : StartMethod::kSpawn;
+      notice(o, fmt::format("start method auto: {} (this process is {}, fork would poison the ranks)",
+                            to_string(m), probe::to_string(state.verdict)));
+      return m;
+    }
+  }
+  return StartMethod::kSpawn;
+}
+
+struct Stream {
+  UniqueFd fd;
+  std::string partial;
+  UniqueFd log;
+};
+
+struct Rank {
+  int local_rank = 0;
+  int rank = 0;
+  pid_t pid = -1;
+  UniqueFd pidfd;
+  bool running = false;
+  bool via_server = false;
+  bool console = true;
+  Clock::time_point started;
+  ExitStatus status;
+  double seconds = 0;
+  bool stopped_by_launcher = false;
+  Stream out, err;
+  std::deque<std::string> tail;
+};
+
+// Blocks SIGINT/SIGTERM/SIGHUP for the launch and reads them from a signalfd.
+class SignalCapture {
+ public:
+  SignalCapture() {
+    sigset_t set;
+    sigemptyset(&set);
+    for (int s : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&set, s);
+    ::pthread_sigmask(SIG_BLOCK, &set, &old_);
+    fd_.reset(::signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK));
+    if (!fd_) throw SystemError("signalfd", errno);
+  }
+  ~SignalCapture() {
+    fd_.reset();
+    ::pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+  }
+  int fd() const { return fd_.get(); }
+  int take() {
+    signalfd_siginfo info;
+    int sig = 0;
+    while (::read(fd_.get(), &info, sizeof info) == sizeof info) sig = static_cast<int>(info.ssi_signo);
+    return sig;
+  }
+
+ private:
+  UniqueFd fd_;
+  sigset_t old_;
+};
+
+void signal_group(const Rank& r, int sig) {
+  if (r.pid <= 0) return;
+  if (::kill(-r.pid, sig) != 0) ::kill(r.pid, sig);  // not yet its own group leader
+}
+
+ExitStatus from_siginfo(const siginfo_t& info) {
+  switch (info.si_code) {
+    case CLD_EXITED: return ExitStatus::exited(info.si_status);
+    case CLD_KILLED: return ExitStatus::signaled(info.si_status, false);
+    case CLD_DUMPED: return ExitStatus::signaled(info.si_status, true);
+    default: return {};
+  }
+}
+
+void write_all(int fd, std::string_view s) {
+  while (!s.empty()) {
+    ssize_t n = ::write(fd, s.data(), s.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    s.remove_prefix(static_cast<size_t>(n));
+  }
+}
+
+class Attempt {
+ public:
+  Attempt(const Options& o, const Job& job, const Placement& place, const GpuPlan& gpus,
+          StartMethod method, int restart, SignalCapture& signals)
+      : o_(o), job_(job), place_(place), gpus_(gpus), method_(method), restart_(restart),
+        signals_(signals) {}
+
+  ~Attempt() {
+    // Never leave a rank behind, whatever threw.
+    for (auto& r : ranks_) {
+      if (r.running) signal_group(r, SIGKILL);
+    }
+    for (auto& r : ranks_) {
+      if (r.running && !r.via_server) ::waitpid(r.pid, nullptr, 0);
+    }
+  }
+
+  Result run() {
+    start_all();
+    loop();
+    finish();
+    Result res;
+    res.method = method_;
+    res.root_cause = root_cause_;
+    res.timed_out = timed_out_;
+    res.interrupted_by = interrupted_by_;
+    for (auto& r : ranks_) {
+      res.ranks.push_back({r.rank, r.local_rank, r.pid, r.status, r.seconds, r.stopped_by_launcher,
+                           {r.tail.begin(), r.tail.end()}});
+    }
+    return res;
+  }
+
+ private:
+  EnvMap environment_for(int local_rank) {
+    EnvMap env = current_environment();
+    env.erase(detail::kEntryVariable);
+    for (auto& [k, v] : rank_environment(place_, local_rank, restart_, o_)) env[k] = v;
+    if (o_.nproc > 1 && env.count("OMP_NUM_THREADS") == 0) env["OMP_NUM_THREADS"] = "1";
+    if (const auto& dev = gpus_.rank_visible_devices[static_cast<size_t>(local_rank)]) {
+      env["CUDA_VISIBLE_DEVICES"] = *dev;
+    }
+    if (job_.is_entry() && method_ == StartMethod::kSpawn) env[detail::kEntryVariable] = job_.entry;
+    return env;
+  }
+
+  UniqueFd open_log(int local_rank, const char* name) {
+    if (o_.log.log_dir.empty()) return {};
+    auto dir = std::filesystem::path(o_.log.log_dir) / fmt::format("attempt_{}", restart_) /
+               fmt::format("rank{}", place_.node_rank * place_.nproc + local_rank);
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec) throw Error(fmt::format("cannot create log directory {}: {}", dir.string(), ec.message()));
+    auto path = dir / name;
+    UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    if (!fd) throw SystemError("cannot open log file " + path.string(), errno);
+    return fd;
+  }
+
+  void start_all() {
+    ranks_.resize(static_cast<size_t>(o_.nproc));
+    for (int i = 0; i < o_.nproc; ++i) {
+      Rank& r = ranks_[static_cast<size_t>(i)];
+      r.local_rank = i;
+      r.rank = place_.node_rank * place_.nproc + i;
+      r.console = o_.log.console_ranks.empty() ||
+                  std::find(o_.log.console_ranks.begin(), o_.log.console_ranks.end(), r.rank) !=
+                      o_.log.console_ranks.end();
+      int out[2], err[2];
+      if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0) {
+        throw SystemError(fmt::format("error preparing rank {}: pipe2", r.rank), errno);
+      }
+      r.out.fd.reset(out[0]);
+      r.err.fd.reset(err[0]);
+      UniqueFd out_w(out[1]), err_w(err[1]);
+      r.out.log = open_log(i, "stdout.log");
+      r.err.log = open_log(i, "stderr.log");
+      detail::ChildIo io{out_w.get(), err_w.get()};
+      EnvMap env = environment_for(i);
+      RankContext ctx{r.rank, i, place_.world_size(), place_.nproc, place_.node_rank, restart_,
+                      job_.args};
+      r.started = Clock::now();
+      auto* server = detail::ForkServer::get();
+      switch (method_) {
+        case StartMethod::kForkServer: {
+          auto flat = detail::flatten(env);
+          r.pid = job_.is_entry() ? server->start_entry(job_.entry, ctx, flat, io.stdout_fd, io.stderr_fd)
+                                  : server->start_exec(job_.argv, flat, io.stdout_fd, io.stderr_fd);
+          r.via_server = true;
+          break;
+        }
+        case StartMethod::kFork:
+          if (job_.is_entry()) {
+            auto storage = detail::flatten(env);
+            auto envp = detail::c_array(storage);
+            auto child = detail::fork_call(find_entry(job_.entry), ctx, envp.data(), io);
+            r.pid = child.pid;
+            r.pidfd = std::move(child.pidfd);
+            break;
+          }
+          [[fallthrough]];
+        case StartMethod::kSpawn:
+        case StartMethod::kAuto: {
+          std::vector<std::string> argv = job_.argv;
+          if (job_.is_entry()) {
+            argv = {detail::init_state().argv0};
+            argv.insert(argv.end(), job_.args.begin(), job_.args.end());
+          }
+          auto exec = detail::prepare_exec(argv, env);
+          if (job_.is_entry()) exec.path = "/proc/self/exe";
+          auto child = detail::spawn_exec(exec, io);
+          r.pid = child.pid;
+          r.pidfd = std::move(child.pidfd);
+          break;
+        }
+      }
+      r.running = true;
+    }
+  }
+
+  void on_exit(Rank& r, ExitStatus status) {
+    r.running = false;
+    r.status = status;
+    r.seconds = std::chrono::duration<double>(Clock::now() - r.started).count();
+    if (!status.success() && !stopping_) {
+      root_cause_ = r.local_rank;
+      begin_stop(o_.stop.signal);
+    }
+  }
+
+  void begin_stop(int sig) {
+    if (stopping_) return;
+    stopping_ = true;
+    kill_at_ = Clock::now() + o_.stop.grace;
+    for (auto& r : ranks_) {
+      if (!r.running) continue;
+      r.stopped_by_launcher = true;
+      signal_group(r, sig);
+    }
+  }
+
+  void emit(Rank& r, Stream& s, bool is_err, const char* data, size_t len) {
+    if (s.log) write_all(s.log.get(), {data, len});
+    s.partial.append(data, len);
+    size_t pos = 0, nl;
+    while ((nl = s.partial.find('\n', pos)) != std::string::npos) {
+      line(r, is_err, std::string_view(s.partial).substr(pos, nl - pos));
+      pos = nl + 1;
+    }
+    s.partial.erase(0, pos);
+  }
+
+  void line(Rank& r, bool is_err, std::string_view text) {
+    if (is_err) {
+      r.tail.emplace_back(text);
+      while (r.tail.size() > o_.log.stderr_tail_lines) r.tail.pop_front();
+    }
+    if (!r.console) return;
+    std::string out = o_.log.prefix ? fmt::format("[rank{}]:{}\n", r.rank, text)
+                                    : std::string(text) + "\n";
+    write_all(is_err ? 2 : 1, out);
+  }
+
+  // Reads what is there; returns false at EOF.
+  bool read_stream(Rank& r, Stream& s, bool is_err) {
+    char buf[65536];
+    ssize_t n = ::read(s.fd.get(), buf, sizeof buf);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) return true;
+    if (n <= 0) {
+      if (!s.partial.empty()) {
+        line(r, is_err, s.partial);
+        s.partial.clear();
+      }
+      s.fd.reset();
+      return false;
+    }
+    emit(r, s, is_err, buf, static_cast<size_t>(n));
+    return true;
+  }
+
+  bool any_running() const {
+    return std::any_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return r.running; });
+  }
+
+  void loop() {
+    const bool has_deadline = o_.timeout.has_value();
+    const auto deadline = Clock::now() + o_.timeout.value_or(std::chrono::milliseconds(0));
+    auto* server = detail::ForkServer::get();
+    struct Source {
+      Rank* rank;
+      int what;  // 0 exit, 1 stdout, 2 stderr, 3 signal, 4 server
+    };
+    auto server_exits = [&] {
+      for (auto [pid, status] : server->take_exits()) {
+        for (auto& rk : ranks_) {
+          if (rk.running && rk.via_server && rk.pid == pid) {
+            on_exit(rk, ExitStatus::from_wait_status(status));
+          }
+        }
+      }
+    };
+    while (true) {
+      // Exit reports may have arrived while the ranks were being started.
+      if (method_ == StartMethod::kForkServer) server_exits();
+      if (!any_running()) break;
+      std::vector<pollfd> fds;
+      std::vector<Source> src;
+      fds.push_back({signals_.fd(), POLLIN, 0});
+      src.push_back({nullptr, 3});
+      if (method_ == StartMethod::kForkServer) {
+        fds.push_back({server->fd(), POLLIN, 0});
+        src.push_back({nullptr, 4});
+      }
+      for (auto& r : ranks_) {
+        if (r.running && r.pidfd) {
+          fds.push_back({r.pidfd.get(), POLLIN, 0});
+          src.push_back({&r, 0});
+        }
+        if (r.out.fd) {
+          fds.push_back({r.out.fd.get(), POLLIN, 0});
+          src.push_back({&r, 1});
+        }
+        if (r.err.fd) {
+          fds.push_back({r.err.fd.get(), POLLIN, 0});
+          src.push_back({&r, 2});
+        }
+      }
+      int timeout_ms = -1;
+      auto now = Clock::now();
+      auto until = [&](Clock::time_point t) {
+        auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(t - now).count() + 1;
+        int v = static_cast<int>(std::max<long long>(0, ms));
+        timeout_ms = timeout_ms < 0 ? v : std::min(timeout_ms, v);
+      };
+      if (stopping_ && !killed_) until(kill_at_);
+      if (has_deadline && !timed_out_) until(deadline);
+      int n = ::poll(fds.data(), fds.size(), timeout_ms);
+      if (n < 0 && errno != EINTR) throw SystemError("poll", errno);
+      now = Clock::now();
+      for (size_t i = 0; n > 0 && i < fds.size(); ++i) {
+        if (fds[i].revents == 0) continue;
+        Rank* r = src[i].rank;
+        switch (src[i].what) {
+          case 0: {
+            siginfo_t info{};
+            if (::waitid(static_cast<idtype_t>(P_PIDFD), static_cast<id_t>(r->pidfd.get()), &info,
+                         WEXITED) == 0) {
+              r->pidfd.reset();
+              on_exit(*r, from_siginfo(info));
+            }
+            break;
+          }
+          case 1: read_stream(*r, r->out, false); break;
+          case 2: read_stream(*r, r->err, true); break;
+          case 3: {
+            int sig = signals_.take();
+            if (sig != 0) {
+              interrupted_by_ = sig;
+              if (!stopping_) {
+                notice(o_, fmt::format("received {}, forwarding it to every rank",
+                                       ::sigabbrev_np(sig) ? std::string("SIG") + ::sigabbrev_np(sig)
+                                                           : std::to_string(sig)));
+              }
+              begin_stop(sig);
+            }
+            break;
+          }
+          case 4: server_exits(); break;
+        }
+      }
+      if (has_deadline && !timed_out_ && now >= deadline && any_running()) {
+        timed_out_ = true;
+        notice(o_, fmt::format("timeout after {} ms: stopping every rank", o_.timeout->count()));
+        begin_stop(o_.stop.signal);
+      }
+      if (stopping_ && !killed_ && now >= kill_at_) {
+        killed_ = true;
+        for (auto& r : ranks_) {
+          if (r.running) signal_group(r, SIGKILL);
+        }
+      }
+    }
+  }
+
+  void finish() {
+    // Leftover descendants in the ranks' groups go too, then what they wrote is drained.
+    for (auto& r : ranks_) signal_group(r, SIGKILL);
+    for (auto& r : ranks_) {
+      for (int is_err = 0; is_err < 2; ++is_err) {
+        Stream& s = is_err ? r.err : r.out;
+        if (!s.fd) continue;
+        ::fcntl(s.fd.get(), F_SETFL, O_NONBLOCK);
+        while (s.fd) {
+          char buf[65536];
+          ssize_t n = ::read(s.fd.get(), buf, sizeof buf);
+          if (n > 0) {
+            emit(r, s, is_err, buf, static_cast<size_t>(n));
+            continue;
+          }
+          if (!s.partial.empty()) line(r, is_err, s.partial);
+          s.partial.clear();
+          s.fd.reset();
+        }
+      }
+    }
+  }
+
+  const Options& o_;
+  const Job& job_;
+  const Placement& place_;
+  const GpuPlan& gpus_;
+  StartMethod method_;
+  int restart_;
+  SignalCapture& signals_;
+  std::vector<Rank> ranks_;
+  int root_cause_ = -1;
+  bool stopping_ = false;
+  bool killed_ = false;
+  bool timed_out_ = false;
+  int interrupted_by_ = 0;
+  Clock::time_point kill_at_;
+};
+
+Result supervise(const Options& o, const Job& job) {
+  if (o.nproc < 1) throw Error(fmt::format("nproc must be at least 1, not {}", o.nproc));
+  if (job.is_entry()) {
+    if (find_entry(job.entry) == nullptr) {
+      std::string known;
+      for (const auto& n : entry_names()) known += (known.empty() ? "" : ", ") + n;
+      throw Error(fmt::format("no entry function named \"{}\" (registered: {})", job.entry,
+                              known.empty() ? "none" : known));
+    }
+  } else if (job.argv.empty()) {
+    throw Error("no command to run");
+  }
+  auto place = resolve_placement(o.nodes, o.nproc, current_environment());
+  GpuPlan gpus;
+  if (o.gpus.bind) {
+    gpus = plan_gpus(o.gpus, o.nproc, cuda::discover_gpus(), cuda::visible_devices_from_env());
+  } else {
+    gpus.rank_visible_devices.resize(static_cast<size_t>(o.nproc));
+  }
+  StartMethod method = resolve_method(o, job);
+  if (job.is_entry() && method == StartMethod::kSpawn && !detail::init_state().called) {
+    throw Error("starting an entry function by spawn re-executes this program: call "
+                "forkguard::init(argc, argv) as the first line of main()");
+  }
+  if (o.nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr && o.env.count("OMP_NUM_THREADS") == 0) {
+    notice(o, "setting OMP_NUM_THREADS=1 for every rank (nproc > 1) so they do not overload the "
+              "machine; set it yourself to tune");
+  }
+  std::fflush(nullptr);  // what the caller printed comes before what the ranks print
+  SignalCapture signals;
+  Result result;
+  for (int restart = 0;; ++restart) {
+    Attempt attempt(o, job, place, gpus, method, restart, signals);
+    result = attempt.run();
+    result.restarts = restart;
+    result.gpu_plan = gpus.description;
+    if (result.success() || result.interrupted_by != 0 || restart >= o.max_restarts) break;
+    notice(o, fmt::format("rank {} {}: restarting the group ({} of {})",
+                          result.ranks[static_cast<size_t>(std::max(result.root_cause, 0))].rank,
+                          result.root_cause >= 0
+                              ? result.ranks[static_cast<size_t>(result.root_cause)].status.to_string()
+                              : std::string("timed out"),
+                          restart + 1, o.max_restarts));
+  }
+  if (!result.success()) throw RankFailedError(std::move(result));
+  return result;
+}
+
+}  // namespace
+
+std::string to_string(StartMethod m) {
+  switch (m) {
+    case StartMethod::kSpawn: return "spawn";
+    case StartMethod::kForkServer: return "forkserver";
+    case StartMethod::kFork: return "fork";
+    case StartMethod::kAuto: return "auto";
+  }
+  return "unknown";
+}
+
+std::optional<StartMethod> parse_start_method(const std::string& s) {
+  for (auto m : {StartMethod::kSpawn, StartMethod::kForkServer, StartMethod::kFork, StartMethod::kAuto}) {
+    if (s == to_string(m)) return m;
+  }
+  if (s == "fork-server" || s == "fork_server") return StartMethod::kForkServer;
+  return std::nullopt;
+}
+
+Result launch(const Options& options, std::string_view entry, const std::vector<std::string>& args) {
+  Job job;
+  job.entry = std::string(entry);
+  job.args = args;
+  if (job.entry.empty()) throw Error("launch: empty entry name");
+  return supervise(options, job);
+}
+
+Result run(const Options& options, const std::vector<std::string>& argv) {
+  Job job;
+  job.argv = argv;
+  return supervise(options, job);
+}
+
+RankFailedError::RankFailedError(Result result)
+    : Error(result.report()), result_(std::move(result)) {}
+
+namespace {
+std::string dirty_message(const probe::CudaState& s, int nproc) {
+  std::string msg = fmt::format(
+      "refusing to fork {} rank{}: this process (PID {}) is {}; CUDA state does not survive "
+      "fork, so every rank would fail with CUDA_ERROR_NOT_INITIALIZED.\nevidence:",
+      nproc, nproc == 1 ? "" : "s", s.pid, probe::to_string(s.verdict));
+  for (const auto& e : s.evidence) {
+    msg += fmt::format("\n  - {}: {} [{}]", probe::to_string(e.kind), e.detail, e.source);
+  }
+  msg += "\ncures:";
+  auto report = doctor::diagnose(s, {.environment = false});
+  for (const auto& a : report.advice) msg += "\n  - " + a;
+  return msg;
+}
+}  // namespace
+
+DirtyForkError::DirtyForkError(probe::CudaState state, int nproc)
+    : Error(dirty_message(state, nproc)), state_(std::move(state)) {}
+
+}  // namespace forkguard::launch
