@@ -6,8 +6,8 @@
 // GPU does), then launches N ranks of a registered function; each rank initializes CUDA, creates
 // a context and prints "rank R: cuda ok". Spawn and the fork server succeed; plain fork is refused
 // with the evidence instead of N ranks dying with CUDA_ERROR_NOT_INITIALIZED.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include "forkguard/cuda/driver.hpp"
 #include "forkguard/init.hpp"

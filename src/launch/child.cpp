@@ -29,7 +29,8 @@ std::string resolve_executable(const std::string& name, const EnvMap& env) {
   size_t pos = 0;
   while (pos <= path.size()) {
     size_t colon = path.find(':', pos);
-    std::string dir = path.substr(pos, colon == std::string::npos ? std::string::npos : colon - pos);
+    std::string dir =
+        path.substr(pos, colon == std::string::npos ? std::string::npos : colon - pos);
     std::string candidate = (dir.empty() ? "." : dir) + "/" + name;
     struct stat st {};
     if (::stat(candidate.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
@@ -98,10 +99,12 @@ bool child_setup(pid_t parent, const ChildIo& io, int keep_fd) noexcept {
   if (io.stdout_fd >= 0 && io.stdout_fd != 1) ::dup2(io.stdout_fd, 1);
   if (io.stderr_fd >= 0 && io.stderr_fd != 2) ::dup2(io.stderr_fd, 2);
   close_fds_except(keep_fd);
+  // Dispositions first, then the mask: a stop signal that arrived while blocked is delivered
+  // with its default action, never lost.
+  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGPIPE, SIGCHLD}) ::signal(sig, SIG_DFL);
   sigset_t none;
   sigemptyset(&none);
   ::sigprocmask(SIG_SETMASK, &none, nullptr);
-  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGPIPE, SIGCHLD}) ::signal(sig, SIG_DFL);
   return true;
 }
 // ===================================================================================
@@ -115,8 +118,8 @@ UniqueFd open_pidfd(pid_t pid) {
 StartedChild spawn_exec(const PreparedExec& exec, const ChildIo& io) {
   int err_pipe[2];
   if (::pipe2(err_pipe, O_CLOEXEC) != 0) {
-    throw SpawnError(fmt::format("error preparing to execute {}: pipe2: {}", exec.path,
-                                 std::strerror(errno)));
+    throw SpawnError(
+        fmt::format("error preparing to execute {}: pipe2: {}", exec.path, std::strerror(errno)));
   }
   const pid_t parent = ::getpid();
   pid_t pid = ::fork();
@@ -124,8 +127,8 @@ StartedChild spawn_exec(const PreparedExec& exec, const ChildIo& io) {
     int e = errno;
     ::close(err_pipe[0]);
     ::close(err_pipe[1]);
-    throw SpawnError(fmt::format("error preparing to execute {}: fork: {}", exec.path,
-                                 std::strerror(e)));
+    throw SpawnError(
+        fmt::format("error preparing to execute {}: fork: {}", exec.path, std::strerror(e)));
   }
   if (pid == 0) {
     // ============ child: async-signal-safe only ============
@@ -146,7 +149,8 @@ StartedChild spawn_exec(const PreparedExec& exec, const ChildIo& io) {
   ::close(err_pipe[0]);
   if (n == sizeof child_errno) {
     ::waitpid(pid, nullptr, 0);
-    throw SpawnError(fmt::format("failed to execute {}: {}", exec.path, std::strerror(child_errno)));
+    throw SpawnError(
+        fmt::format("failed to execute {}: {}", exec.path, std::strerror(child_errno)));
   }
   StartedChild child;
   child.pid = pid;
@@ -158,7 +162,8 @@ StartedChild fork_call(EntryFunction fn, const RankContext& ctx, char** envp, co
   const pid_t parent = ::getpid();
   std::fflush(nullptr);  // nothing buffered is written twice
   pid_t pid = ::fork();
-  if (pid < 0) throw SpawnError(fmt::format("fork for rank {}: {}", ctx.rank, std::strerror(errno)));
+  if (pid < 0)
+    throw SpawnError(fmt::format("fork for rank {}: {}", ctx.rank, std::strerror(errno)));
   if (pid == 0) {
     // ============ child: async-signal-safe until the entry function ============
     if (!child_setup(parent, io, -1)) ::_exit(1);

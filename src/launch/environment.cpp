@@ -75,8 +75,8 @@ Placement resolve_placement(const NodeOptions& nodes, int nproc, const EnvMap& e
   }
   if (!nodes.master_addr.empty()) p.master_addr = nodes.master_addr;
   if (nodes.standalone) {
-    if (p.nnodes != 1) throw Error("--standalone is for a single node, but nnodes is " +
-                                   std::to_string(p.nnodes));
+    if (p.nnodes != 1)
+      throw Error("--standalone is for a single node, but nnodes is " + std::to_string(p.nnodes));
     p.master_port = nodes.master_port.value_or(free_loopback_port());
   } else if (nodes.master_port) {
     p.master_port = *nodes.master_port;

@@ -79,7 +79,9 @@ bool recv_message(int sock, std::vector<std::string>& fields, int fds[2], int fl
   return true;
 }
 
-int to_int(const std::string& s) { return std::atoi(s.c_str()); }
+int to_int(const std::string& s) {
+  return std::atoi(s.c_str());
+}
 
 // ---------------------------------------------------------------- the zygote's side
 class Zygote {
@@ -87,11 +89,17 @@ class Zygote {
   explicit Zygote(int sock) : sock_(sock) {}
 
   [[noreturn]] void serve() {
-    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT}) ::signal(sig, SIG_IGN);  // the launcher decides
+    // The launcher decides what stops the ranks: the zygote blocks the stop signals (a terminal's
+    // Ctrl-C reaches its process group too). Blocked, not ignored: a rank forked from here keeps
+    // them pending until child_setup() restores the defaults, so none is lost.
+    sigset_t blocked;
+    sigemptyset(&blocked);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT}) sigaddset(&blocked, sig);
+    sigaddset(&blocked, SIGCHLD);
+    ::sigprocmask(SIG_BLOCK, &blocked, nullptr);
     sigset_t chld;
     sigemptyset(&chld);
     sigaddset(&chld, SIGCHLD);
-    ::sigprocmask(SIG_BLOCK, &chld, nullptr);
     int sfd = ::signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
     while (true) {
       pollfd fds[2] = {{sock_, POLLIN, 0}, {sfd, POLLIN, 0}};
@@ -148,9 +156,10 @@ class Zygote {
     for (const auto& e : state.evidence) {
       if (e.kind != probe::EvidenceKind::kEnvironment) evidence += "; " + e.detail;
     }
-    throw Error(fmt::format("the fork server (PID {}) is itself not fork-safe ({}{}): something "
-                            "initialized CUDA before forkguard::init() ran",
-                            ::getpid(), probe::to_string(state.verdict), evidence));
+    throw Error(
+        fmt::format("the fork server (PID {}) is itself not fork-safe ({}{}): something "
+                    "initialized CUDA before forkguard::init() ran",
+                    ::getpid(), probe::to_string(state.verdict), evidence));
   }
 
   // entry NAME RANK LOCAL WORLD LOCAL_WORLD NODE RESTART NARGS ARGS... ENV...
@@ -159,8 +168,8 @@ class Zygote {
     EntryFunction fn = find_entry(f[1]);
     if (fn == nullptr) return reply_error(fmt::format("no entry function named \"{}\"", f[1]));
     check_clean();
-    RankContext ctx{to_int(f[2]), to_int(f[3]), to_int(f[4]), to_int(f[5]),
-                    to_int(f[6]), to_int(f[7]), {}};
+    RankContext ctx{
+        to_int(f[2]), to_int(f[3]), to_int(f[4]), to_int(f[5]), to_int(f[6]), to_int(f[7]), {}};
     size_t nargs = static_cast<size_t>(to_int(f[8]));
     if (f.size() < 9 + nargs) return reply_error("malformed entry request");
     ctx.args.assign(f.begin() + 9, f.begin() + 9 + static_cast<long>(nargs));
@@ -214,7 +223,9 @@ std::vector<std::string> decode(const char* data, size_t len) {
   return fields;
 }
 
-ForkServer* ForkServer::get() { return g_server; }
+ForkServer* ForkServer::get() {
+  return g_server;
+}
 
 void ForkServer::start() {
   if (g_server != nullptr) return;
@@ -277,7 +288,8 @@ pid_t ForkServer::request(const std::vector<std::string>& fields, int stdout_fd,
   std::lock_guard lock(mutex_);
   int fds[2] = {stdout_fd >= 0 ? stdout_fd : 1, stderr_fd >= 0 ? stderr_fd : 2};
   if (!send_message(sock_.get(), fields, fds, 2)) {
-    throw SpawnError(fmt::format("the fork server (PID {}) is gone: {}", pid_, std::strerror(errno)));
+    throw SpawnError(
+        fmt::format("the fork server (PID {}) is gone: {}", pid_, std::strerror(errno)));
   }
   have_reply_ = false;
   while (!have_reply_) {

@@ -35,10 +35,10 @@ GpuPlan plan_gpus(const GpuPlanOptions& options, int nproc, const cuda::GpuInven
   auto ids = visible_ids(inventory, visible, res);
   GpuPlan plan;
   plan.visible = static_cast<int>(ids.size());
-  plan.description = fmt::format(
-      "{} GPU{} visible ({} from {}; CUDA_VISIBLE_DEVICES {})", plan.visible,
-      plan.visible == 1 ? "" : "s", inventory.gpus.size(), inventory.source,
-      visible.set ? "=\"" + visible.value + "\"" : std::string("unset"));
+  plan.description =
+      fmt::format("{} GPU{} visible ({} from {}; CUDA_VISIBLE_DEVICES{})", plan.visible,
+                  plan.visible == 1 ? "" : "s", inventory.gpus.size(), inventory.source,
+                  visible.set ? "=\"" + visible.value + "\"" : std::string(" unset"));
   plan.rank_visible_devices.resize(static_cast<size_t>(nproc));
   if (!options.bind) return plan;
   if (plan.visible == 0) {
@@ -47,14 +47,13 @@ GpuPlan plan_gpus(const GpuPlanOptions& options, int nproc, const cuda::GpuInven
   if (nproc > plan.visible && !options.allow_sharing) {
     throw GpuPlanError(fmt::format(
         "--bind-gpus with {} ranks per node needs {} GPUs, but only {} {} visible ({} from {}; "
-        "CUDA_VISIBLE_DEVICES {}). Use fewer ranks, or --allow-gpu-sharing to share GPUs "
+        "CUDA_VISIBLE_DEVICES{}). Use fewer ranks, or --allow-gpu-sharing to share GPUs "
         "round-robin.",
         nproc, nproc, plan.visible, plan.visible == 1 ? "is" : "are", inventory.gpus.size(),
-        inventory.source, visible.set ? "=\"" + visible.value + "\"" : std::string("unset")));
+        inventory.source, visible.set ? "=\"" + visible.value + "\"" : std::string(" unset")));
   }
   for (int r = 0; r < nproc; ++r) {
-    plan.rank_visible_devices[static_cast<size_t>(r)] =
-        ids[static_cast<size_t>(r) % ids.size()];
+    plan.rank_visible_devices[static_cast<size_t>(r)] = ids[static_cast<size_t>(r) % ids.size()];
   }
   return plan;
 }

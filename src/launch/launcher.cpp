@@ -52,8 +52,7 @@ void notice(const Options& o, const std::string& text) {
 StartMethod resolve_method(const Options& o, const Job& job) {
   auto* server = detail::ForkServer::get();
   switch (o.start) {
-    case StartMethod::kSpawn:
-      return StartMethod::kSpawn;
+    case StartMethod::kSpawn: return StartMethod::kSpawn;
     case StartMethod::kForkServer:
       if (server == nullptr) {
         throw Error(
@@ -74,7 +73,8 @@ StartMethod resolve_method(const Options& o, const Job& job) {
     case StartMethod::kAuto: {
       // A command is always started by fork+exec, safe whatever this process holds: nothing
       // to decide, nothing to say.
-      if (!job.is_entry()) return server != nullptr ? StartMethod::kForkServer : StartMethod::kSpawn;
+      if (!job.is_entry())
+        return server != nullptr ? StartMethod::kForkServer : StartMethod::kSpawn;
       auto state = probe::self();
       if (state.fork_safe) {
         notice(o, fmt::format("start method auto: fork (this process is {})",
@@ -82,8 +82,9 @@ StartMethod resolve_method(const Options& o, const Job& job) {
         return StartMethod::kFork;
       }
       auto m = server != nullptr ? StartMethod::kForkServer : StartMethod::kSpawn;
-      notice(o, fmt::format("start method auto: {} (this process is {}, fork would poison the ranks)",
-                            to_string(m), probe::to_string(state.verdict)));
+      notice(o,
+             fmt::format("start method auto: {} (this process is {}, fork would poison the ranks)",
+                         to_string(m), probe::to_string(state.verdict)));
       return m;
     }
   }
@@ -131,7 +132,8 @@ class SignalCapture {
   int take() {
     signalfd_siginfo info;
     int sig = 0;
-    while (::read(fd_.get(), &info, sizeof info) == sizeof info) sig = static_cast<int>(info.ssi_signo);
+    while (::read(fd_.get(), &info, sizeof info) == sizeof info)
+      sig = static_cast<int>(info.ssi_signo);
     return sig;
   }
 
@@ -167,7 +169,12 @@ class Attempt {
  public:
   Attempt(const Options& o, const Job& job, const Placement& place, const GpuPlan& gpus,
           StartMethod method, int restart, SignalCapture& signals)
-      : o_(o), job_(job), place_(place), gpus_(gpus), method_(method), restart_(restart),
+      : o_(o),
+        job_(job),
+        place_(place),
+        gpus_(gpus),
+        method_(method),
+        restart_(restart),
         signals_(signals) {}
 
   ~Attempt() {
@@ -190,7 +197,12 @@ class Attempt {
     res.timed_out = timed_out_;
     res.interrupted_by = interrupted_by_;
     for (auto& r : ranks_) {
-      res.ranks.push_back({r.rank, r.local_rank, r.pid, r.status, r.seconds, r.stopped_by_launcher,
+      res.ranks.push_back({r.rank,
+                           r.local_rank,
+                           r.pid,
+                           r.status,
+                           r.seconds,
+                           r.stopped_by_launcher,
                            {r.tail.begin(), r.tail.end()}});
     }
     return res;
@@ -215,7 +227,8 @@ class Attempt {
                fmt::format("rank{}", place_.node_rank * place_.nproc + local_rank);
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);
-    if (ec) throw Error(fmt::format("cannot create log directory {}: {}", dir.string(), ec.message()));
+    if (ec)
+      throw Error(fmt::format("cannot create log directory {}: {}", dir.string(), ec.message()));
     auto path = dir / name;
     UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
     if (!fd) throw SystemError("cannot open log file " + path.string(), errno);
@@ -242,15 +255,16 @@ class Attempt {
       r.err.log = open_log(i, "stderr.log");
       detail::ChildIo io{out_w.get(), err_w.get()};
       EnvMap env = environment_for(i);
-      RankContext ctx{r.rank, i, place_.world_size(), place_.nproc, place_.node_rank, restart_,
-                      job_.args};
+      RankContext ctx{r.rank,   i,        place_.world_size(), place_.nproc, place_.node_rank,
+                      restart_, job_.args};
       r.started = Clock::now();
       auto* server = detail::ForkServer::get();
       switch (method_) {
         case StartMethod::kForkServer: {
           auto flat = detail::flatten(env);
-          r.pid = job_.is_entry() ? server->start_entry(job_.entry, ctx, flat, io.stdout_fd, io.stderr_fd)
-                                  : server->start_exec(job_.argv, flat, io.stdout_fd, io.stderr_fd);
+          r.pid = job_.is_entry()
+                      ? server->start_entry(job_.entry, ctx, flat, io.stdout_fd, io.stderr_fd)
+                      : server->start_exec(job_.argv, flat, io.stdout_fd, io.stderr_fd);
           r.via_server = true;
           break;
         }
@@ -321,8 +335,8 @@ class Attempt {
       while (r.tail.size() > o_.log.stderr_tail_lines) r.tail.pop_front();
     }
     if (!r.console) return;
-    std::string out = o_.log.prefix ? fmt::format("[rank{}]:{}\n", r.rank, text)
-                                    : std::string(text) + "\n";
+    std::string out =
+        o_.log.prefix ? fmt::format("[rank{}]:{}\n", r.rank, text) : std::string(text) + "\n";
     write_all(is_err ? 2 : 1, out);
   }
 
@@ -422,9 +436,10 @@ class Attempt {
             if (sig != 0) {
               interrupted_by_ = sig;
               if (!stopping_) {
-                notice(o_, fmt::format("received {}, forwarding it to every rank",
-                                       ::sigabbrev_np(sig) ? std::string("SIG") + ::sigabbrev_np(sig)
-                                                           : std::to_string(sig)));
+                notice(o_,
+                       fmt::format("received {}, forwarding it to every rank",
+                                   ::sigabbrev_np(sig) ? std::string("SIG") + ::sigabbrev_np(sig)
+                                                       : std::to_string(sig)));
               }
               begin_stop(sig);
             }
@@ -507,12 +522,15 @@ Result supervise(const Options& o, const Job& job) {
   }
   StartMethod method = resolve_method(o, job);
   if (job.is_entry() && method == StartMethod::kSpawn && !detail::init_state().called) {
-    throw Error("starting an entry function by spawn re-executes this program: call "
-                "forkguard::init(argc, argv) as the first line of main()");
+    throw Error(
+        "starting an entry function by spawn re-executes this program: call "
+        "forkguard::init(argc, argv) as the first line of main()");
   }
-  if (o.nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr && o.env.count("OMP_NUM_THREADS") == 0) {
-    notice(o, "setting OMP_NUM_THREADS=1 for every rank (nproc > 1) so they do not overload the "
-              "machine; set it yourself to tune");
+  if (o.nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr &&
+      o.env.count("OMP_NUM_THREADS") == 0) {
+    notice(o,
+           "setting OMP_NUM_THREADS=1 for every rank (nproc > 1) so they do not overload the "
+           "machine; set it yourself to tune");
   }
   std::fflush(nullptr);  // what the caller printed comes before what the ranks print
   SignalCapture signals;
@@ -523,12 +541,13 @@ Result supervise(const Options& o, const Job& job) {
     result.restarts = restart;
     result.gpu_plan = gpus.description;
     if (result.success() || result.interrupted_by != 0 || restart >= o.max_restarts) break;
-    notice(o, fmt::format("rank {} {}: restarting the group ({} of {})",
-                          result.ranks[static_cast<size_t>(std::max(result.root_cause, 0))].rank,
-                          result.root_cause >= 0
-                              ? result.ranks[static_cast<size_t>(result.root_cause)].status.to_string()
-                              : std::string("timed out"),
-                          restart + 1, o.max_restarts));
+    notice(o,
+           fmt::format("rank {} {}: restarting the group ({} of {})",
+                       result.ranks[static_cast<size_t>(std::max(result.root_cause, 0))].rank,
+                       result.root_cause >= 0
+                           ? result.ranks[static_cast<size_t>(result.root_cause)].status.to_string()
+                           : std::string("timed out"),
+                       restart + 1, o.max_restarts));
   }
   if (!result.success()) throw RankFailedError(std::move(result));
   return result;
@@ -547,14 +566,16 @@ std::string to_string(StartMethod m) {
 }
 
 std::optional<StartMethod> parse_start_method(const std::string& s) {
-  for (auto m : {StartMethod::kSpawn, StartMethod::kForkServer, StartMethod::kFork, StartMethod::kAuto}) {
+  for (auto m :
+       {StartMethod::kSpawn, StartMethod::kForkServer, StartMethod::kFork, StartMethod::kAuto}) {
     if (s == to_string(m)) return m;
   }
   if (s == "fork-server" || s == "fork_server") return StartMethod::kForkServer;
   return std::nullopt;
 }
 
-Result launch(const Options& options, std::string_view entry, const std::vector<std::string>& args) {
+Result launch(const Options& options, std::string_view entry,
+              const std::vector<std::string>& args) {
   Job job;
   job.entry = std::string(entry);
   job.args = args;

@@ -17,11 +17,11 @@ std::string Result::report() const {
   std::string out;
   if (root_cause >= 0) {
     const auto& r = ranks[static_cast<size_t>(root_cause)];
-    out += fmt::format("rank {} (local rank {}, PID {}) failed first: {}{}\n", r.rank, r.local_rank,
-                       r.pid, r.status.to_string(),
-                       restarts > 0 ? fmt::format(" (after {} restart{})", restarts,
-                                                  restarts == 1 ? "" : "s")
-                                    : std::string());
+    out += fmt::format(
+        "rank {} (local rank {}, PID {}) failed first: {}{}\n", r.rank, r.local_rank, r.pid,
+        r.status.to_string(),
+        restarts > 0 ? fmt::format(" (after {} restart{})", restarts, restarts == 1 ? "" : "s")
+                     : std::string());
     if (!r.stderr_tail.empty()) {
       out += fmt::format("  last {} line{} of its stderr:\n", r.stderr_tail.size(),
                          r.stderr_tail.size() == 1 ? "" : "s");
@@ -36,8 +36,8 @@ std::string Result::report() const {
   }
   out += fmt::format("{:>6} {:>8} {:>9}  {}\n", "rank", "pid", "seconds", "status");
   auto row = [&](const RankResult& r, const char* note) {
-    out += fmt::format("{:>6} {:>8} {:>9.3f}  {}{}\n", r.rank, r.pid, r.seconds, r.status.to_string(),
-                       note);
+    out += fmt::format("{:>6} {:>8} {:>9.3f}  {}{}\n", r.rank, r.pid, r.seconds,
+                       r.status.to_string(), note);
   };
   if (root_cause >= 0) row(ranks[static_cast<size_t>(root_cause)], " (root cause)");
   for (const auto& r : ranks) {
@@ -66,15 +66,16 @@ std::string Result::to_json() const {
                           {"stopped_by_launcher", r.stopped_by_launcher},
                           {"stderr_tail", r.stderr_tail}});
   }
-  json j = {{"success", success()},
-            {"exit_code", exit_code()},
-            {"start_method", to_string(method)},
-            {"restarts", restarts},
-            {"timed_out", timed_out},
-            {"interrupted_by", interrupted_by},
-            {"root_cause", root_cause >= 0 ? json(ranks[static_cast<size_t>(root_cause)].rank) : json()},
-            {"gpu_plan", gpu_plan},
-            {"ranks", ranks_json}};
+  json j = {
+      {"success", success()},
+      {"exit_code", exit_code()},
+      {"start_method", to_string(method)},
+      {"restarts", restarts},
+      {"timed_out", timed_out},
+      {"interrupted_by", interrupted_by},
+      {"root_cause", root_cause >= 0 ? json(ranks[static_cast<size_t>(root_cause)].rank) : json()},
+      {"gpu_plan", gpu_plan},
+      {"ranks", ranks_json}};
   return j.dump(2);
 }
 

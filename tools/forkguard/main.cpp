@@ -67,7 +67,9 @@ int run(int argc, char** argv, const RunFlags& f) {
   fl::Options o;
   auto method = fl::parse_start_method(f.start);
   if (!method) {
-    fmt::print(stderr, "forkguard run: --start-method must be spawn, forkserver, fork or auto, not {}\n", f.start);
+    fmt::print(stderr,
+               "forkguard run: --start-method must be spawn, forkserver, fork or auto, not {}\n",
+               f.start);
     return 2;
   }
   o.start = *method;
@@ -75,7 +77,8 @@ int run(int argc, char** argv, const RunFlags& f) {
     auto inv = forkguard::cuda::discover_gpus();
     o.nproc = fl::count_visible_gpus(inv, forkguard::cuda::visible_devices_from_env());
     if (o.nproc == 0) {
-      fmt::print(stderr, "forkguard run: --nproc-per-node gpu, but no GPU is visible ({} GPUs from {})\n",
+      fmt::print(stderr,
+                 "forkguard run: --nproc-per-node gpu, but no GPU is visible ({} GPUs from {})\n",
                  inv.gpus.size(), inv.source);
       return 2;
     }
@@ -83,7 +86,10 @@ int run(int argc, char** argv, const RunFlags& f) {
     char* end = nullptr;
     long n = std::strtol(f.nproc.c_str(), &end, 10);
     if (*end != '\0' || n < 1 || n > 4096) {
-      fmt::print(stderr, "forkguard run: --nproc-per-node must be a number from 1 to 4096 or \"gpu\", not {}\n", f.nproc);
+      fmt::print(
+          stderr,
+          "forkguard run: --nproc-per-node must be a number from 1 to 4096 or \"gpu\", not {}\n",
+          f.nproc);
       return 2;
     }
     o.nproc = static_cast<int>(n);
@@ -160,7 +166,8 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   runc->add_option("--log-dir,--log_dir", rf.log_dir,
                    "Write DIR/attempt_N/rankR/{stdout,stderr}.log for every rank");
-  runc->add_option("--tee", rf.tee, "Accepted for torchrun compatibility: console output is "
+  runc->add_option("--tee", rf.tee,
+                   "Accepted for torchrun compatibility: console output is "
                    "always shown, prefixed [rankN]:");
   runc->add_flag("--no-prefix", rf.no_prefix, "Do not prefix console lines with [rankN]:");
   runc->add_option("--local-ranks-filter,--local_ranks_filter", rf.ranks_filter,
@@ -170,8 +177,7 @@ int main(int argc, char** argv) {
                  "visible GPUs is an error before launch");
   runc->add_flag("--allow-gpu-sharing", rf.allow_sharing,
                  "With --bind-gpus, share GPUs round-robin when there are more ranks than GPUs");
-  runc->add_option("--grace", rf.grace,
-                   "Seconds between SIGTERM and SIGKILL when stopping ranks")
+  runc->add_option("--grace", rf.grace, "Seconds between SIGTERM and SIGKILL when stopping ranks")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
   runc->add_option("--timeout", rf.timeout, "Stop every rank after this many seconds (0: never)")

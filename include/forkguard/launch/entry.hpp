@@ -1,6 +1,7 @@
 // Registered entry functions: what a rank runs when it is a function rather than a command.
 //
-//   FORKGUARD_ENTRY(train) {                      // int train(const forkguard::launch::RankContext&)
+//   FORKGUARD_ENTRY(train) {                      // int train(const
+//   forkguard::launch::RankContext&)
 //     fmt::print("rank {} of {}\n", ctx.rank, ctx.world_size);
 //     return 0;                                   // the rank's exit code
 //   }
@@ -39,8 +40,8 @@ std::vector<std::string> entry_names();
 
 }  // namespace forkguard::launch
 
-#define FORKGUARD_ENTRY(name)                                                               \
-  static int forkguard_entry_##name(const ::forkguard::launch::RankContext& ctx);           \
-  [[maybe_unused]] static const bool forkguard_entry_registered_##name =                    \
-      ::forkguard::launch::register_entry(#name, &forkguard_entry_##name);                  \
+#define FORKGUARD_ENTRY(name)                                                     \
+  static int forkguard_entry_##name(const ::forkguard::launch::RankContext& ctx); \
+  [[maybe_unused]] static const bool forkguard_entry_registered_##name =          \
+      ::forkguard::launch::register_entry(#name, &forkguard_entry_##name);        \
   static int forkguard_entry_##name([[maybe_unused]] const ::forkguard::launch::RankContext& ctx)

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,10 +24,10 @@ using EnvMap = std::map<std::string, std::string>;
 struct Placement {
   int nnodes = 1;
   int node_rank = 0;
-  int nproc = 1;                       // ranks per node
+  int nproc = 1;  // ranks per node
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
-  std::string source = "defaults";     // "options", "slurm", "open mpi", "pmi", "defaults"
+  std::string source = "defaults";  // "options", "slurm", "open mpi", "pmi", "defaults"
   int world_size() const { return nnodes * nproc; }
 };
 

@@ -1,6 +1,7 @@
 // ExitStatus: how a process ended, as a value that prints itself.
 //
-//   ExitStatus::from_wait_status(status).to_string()  // "killed by signal 11 (SIGSEGV) (core dumped)"
+//   ExitStatus::from_wait_status(status).to_string()  // "killed by signal 11 (SIGSEGV) (core
+//   dumped)"
 //
 // Thread-safety: plain value.
 #pragma once
@@ -12,8 +13,8 @@ namespace forkguard::launch {
 struct ExitStatus {
   enum class Kind { kExited, kSignaled, kNotStarted };
   Kind kind = Kind::kNotStarted;
-  int code = 0;         // exit code when kExited
-  int signal = 0;       // when kSignaled
+  int code = 0;    // exit code when kExited
+  int signal = 0;  // when kSignaled
   bool core_dumped = false;
 
   static ExitStatus from_wait_status(int status);

@@ -20,8 +20,8 @@
 namespace forkguard::launch {
 
 struct GpuPlan {
-  int visible = 0;                                  // GPUs CUDA will show this node's ranks
-  std::string description;                          // "2 GPUs from nvml (...), CUDA_VISIBLE_DEVICES unset"
+  int visible = 0;          // GPUs CUDA will show this node's ranks
+  std::string description;  // "2 GPUs from nvml (...), CUDA_VISIBLE_DEVICES unset"
   std::vector<std::optional<std::string>> rank_visible_devices;  // per local rank, when bound
 };
 

@@ -43,17 +43,17 @@ struct RankResult {
 };
 
 struct Result {
-  std::vector<RankResult> ranks;  // of the last attempt, by local rank
-  int root_cause = -1;            // local rank that failed first, -1 when none
+  std::vector<RankResult> ranks;             // of the last attempt, by local rank
+  int root_cause = -1;                       // local rank that failed first, -1 when none
   StartMethod method = StartMethod::kSpawn;  // what was used
-  int restarts = 0;               // attempts after the first
+  int restarts = 0;                          // attempts after the first
   bool timed_out = false;
-  int interrupted_by = 0;         // signal forwarded to the ranks, 0 when none
-  std::string gpu_plan;           // description of the GPU plan
+  int interrupted_by = 0;  // signal forwarded to the ranks, 0 when none
+  std::string gpu_plan;    // description of the GPU plan
 
   bool success() const { return root_cause < 0 && interrupted_by == 0 && !timed_out; }
-  int exit_code() const;          // 0, the root cause's shell code, or 128 + interrupting signal
-  std::string report() const;     // per-rank table, root cause first
+  int exit_code() const;       // 0, the root cause's shell code, or 128 + interrupting signal
+  std::string report() const;  // per-rank table, root cause first
   std::string to_json() const;
 };
 
