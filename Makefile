@@ -19,12 +19,21 @@ build: deps
 test: build
 	ctest --preset $(PRESET) -j $(JOBS)
 
-# The main job on an embedded default: the test driver stands in for a GPU.
+# The main job on an embedded default: the test driver stands in for a GPU. The probe on a
+# process going from clean to poisoned, then ranks launched after the parent touched CUDA: the
+# fork server and spawn succeed, plain fork is refused with the evidence.
 demo: build
 	@dev=$$(mktemp -d) && trap 'rm -rf "$$dev"' EXIT && \
 	  FORKGUARD_CUDA_DRIVER=$(CURDIR)/$(FAKE)/libcuda.so.1 \
 	  FORKGUARD_NVML_LIBRARY=$(CURDIR)/$(FAKE)/libnvidia-ml.so.1 \
-	  FAKE_CUDA_DEV_DIR=$$dev $(BUILD)/bin/doctor_stages
+	  FAKE_CUDA_DEV_DIR=$$dev $(BUILD)/bin/doctor_stages && \
+	  for m in forkserver spawn fork; do \
+	    echo; echo "=== notebook_style --parent-touches-cuda --nproc 4 --start-method $$m ==="; \
+	    FORKGUARD_CUDA_DRIVER=$(CURDIR)/$(FAKE)/libcuda.so.1 FAKE_CUDA_DEV_DIR=$$dev \
+	      $(BUILD)/bin/notebook_style --parent-touches-cuda --nproc 4 --start-method $$m; \
+	    rc=$$?; echo "--- exit code $$rc"; \
+	    if [ $$m = fork ]; then [ $$rc -eq 3 ] || exit 1; else [ $$rc -eq 0 ] || exit 1; fi; \
+	  done
 
 asan tsan: deps
 	cmake --preset $@

@@ -17,12 +17,16 @@ TEST(Placement, DefaultsToOneNode) {
 }
 
 TEST(Placement, SlurmThenOpenMpiThenPmi) {
-  auto slurm = fl::resolve_placement({}, 2, {{"SLURM_NNODES", "3"}, {"SLURM_NODEID", "2"},
-                                             {"OMPI_COMM_WORLD_SIZE", "9"}, {"OMPI_COMM_WORLD_RANK", "8"}});
+  auto slurm = fl::resolve_placement({}, 2,
+                                     {{"SLURM_NNODES", "3"},
+                                      {"SLURM_NODEID", "2"},
+                                      {"OMPI_COMM_WORLD_SIZE", "9"},
+                                      {"OMPI_COMM_WORLD_RANK", "8"}});
   EXPECT_EQ(slurm.source, "slurm");
   EXPECT_EQ(slurm.nnodes, 3);
   EXPECT_EQ(slurm.node_rank, 2);
-  auto mpi = fl::resolve_placement({}, 2, {{"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_RANK", "1"}});
+  auto mpi =
+      fl::resolve_placement({}, 2, {{"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_RANK", "1"}});
   EXPECT_EQ(mpi.source, "open mpi");
   EXPECT_EQ(mpi.node_rank, 1);
   EXPECT_EQ(mpi.world_size(), 4);
@@ -83,11 +87,20 @@ TEST(RankEnvironment, FollowsTorchrunsContract) {
   o.max_restarts = 3;
   o.env = {{"EXTRA", "yes"}};
   auto env = fl::rank_environment(p, 2, 1, o);
-  const std::map<std::string, std::string> want = {
-      {"RANK", "6"}, {"LOCAL_RANK", "2"}, {"GROUP_RANK", "1"}, {"ROLE_RANK", "6"},
-      {"WORLD_SIZE", "8"}, {"LOCAL_WORLD_SIZE", "4"}, {"GROUP_WORLD_SIZE", "2"},
-      {"ROLE_WORLD_SIZE", "8"}, {"ROLE_NAME", "default"}, {"MASTER_ADDR", "head"},
-      {"MASTER_PORT", "555"}, {"TORCHELASTIC_RESTART_COUNT", "1"},
-      {"TORCHELASTIC_MAX_RESTARTS", "3"}, {"TORCHELASTIC_RUN_ID", "none"}, {"EXTRA", "yes"}};
+  const std::map<std::string, std::string> want = {{"RANK", "6"},
+                                                   {"LOCAL_RANK", "2"},
+                                                   {"GROUP_RANK", "1"},
+                                                   {"ROLE_RANK", "6"},
+                                                   {"WORLD_SIZE", "8"},
+                                                   {"LOCAL_WORLD_SIZE", "4"},
+                                                   {"GROUP_WORLD_SIZE", "2"},
+                                                   {"ROLE_WORLD_SIZE", "8"},
+                                                   {"ROLE_NAME", "default"},
+                                                   {"MASTER_ADDR", "head"},
+                                                   {"MASTER_PORT", "555"},
+                                                   {"TORCHELASTIC_RESTART_COUNT", "1"},
+                                                   {"TORCHELASTIC_MAX_RESTARTS", "3"},
+                                                   {"TORCHELASTIC_RUN_ID", "none"},
+                                                   {"EXTRA", "yes"}};
   EXPECT_EQ(env, want);
 }

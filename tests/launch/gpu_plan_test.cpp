@@ -15,14 +15,16 @@ cuda::GpuInventory two_gpus() {
 }  // namespace
 
 TEST(GpuPlan, BindGivesEachRankOneGpu) {
-  auto plan = fl::plan_gpus({.bind = true}, 2, two_gpus(), cuda::parse_visible_devices(std::nullopt));
+  auto plan =
+      fl::plan_gpus({.bind = true}, 2, two_gpus(), cuda::parse_visible_devices(std::nullopt));
   EXPECT_EQ(plan.visible, 2);
   EXPECT_EQ(plan.rank_visible_devices[0], "0");
   EXPECT_EQ(plan.rank_visible_devices[1], "1");
 }
 
 TEST(GpuPlan, BindKeepsTheUsersIdentifiers) {
-  auto plan = fl::plan_gpus({.bind = true}, 2, two_gpus(), cuda::parse_visible_devices("GPU-bbbb,0"));
+  auto plan =
+      fl::plan_gpus({.bind = true}, 2, two_gpus(), cuda::parse_visible_devices("GPU-bbbb,0"));
   EXPECT_EQ(plan.rank_visible_devices[0], "GPU-bbbb");
   EXPECT_EQ(plan.rank_visible_devices[1], "0");
 }
@@ -33,7 +35,9 @@ TEST(GpuPlan, MoreRanksThanGpusIsAnErrorNamingBothNumbersAndTheVariable) {
     FAIL();
   } catch (const fl::GpuPlanError& e) {
     std::string what = e.what();
-    EXPECT_NE(what.find("with 4 ranks per node needs 4 GPUs, but only 2 are visible"), std::string::npos) << what;
+    EXPECT_NE(what.find("with 4 ranks per node needs 4 GPUs, but only 2 are visible"),
+              std::string::npos)
+        << what;
     EXPECT_NE(what.find("CUDA_VISIBLE_DEVICES=\"1,0\""), std::string::npos) << what;
     EXPECT_NE(what.find("--allow-gpu-sharing"), std::string::npos) << what;
   }

@@ -4,10 +4,10 @@
 // spawn re-execute it and run the entries below; LAUNCHER_TEST_MODE turns it into a launcher
 // for the tests that kill the launcher.
 #include <dirent.h>
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <signal.h>
-#include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -71,6 +71,7 @@ FORKGUARD_ENTRY(rank0_segfaults) {
   if (ctx.rank == 0) {
     rlimit none{0, 0};
     ::setrlimit(RLIMIT_CORE, &none);  // no core file in the build tree
+    ::signal(SIGSEGV, SIG_DFL);       // a sanitizer's handler would turn it into an exit code
     ::raise(SIGSEGV);
   }
   while (true) ::pause();
@@ -95,7 +96,9 @@ FORKGUARD_ENTRY(sleeps) {
 }
 
 // Fails on the first two attempts, succeeds on the third.
-FORKGUARD_ENTRY(flaky) { return ctx.restart_count < 2 && ctx.rank == 0 ? 5 : 0; }
+FORKGUARD_ENTRY(flaky) {
+  return ctx.restart_count < 2 && ctx.rank == 0 ? 5 : 0;
+}
 
 FORKGUARD_ENTRY(list_fds) {
   std::string fds;
@@ -113,7 +116,9 @@ FORKGUARD_ENTRY(list_fds) {
 
 namespace {
 
-std::string self_exe() { return std::filesystem::read_symlink("/proc/self/exe").string(); }
+std::string self_exe() {
+  return std::filesystem::read_symlink("/proc/self/exe").string();
+}
 
 class Launcher : public ::testing::Test {
  protected:
@@ -146,6 +151,12 @@ class Launcher : public ::testing::Test {
   std::vector<int> fds_before_;
 };
 
+#ifdef FORKGUARD_SANITIZED_BUILD
+constexpr int kRounds = 10;  // sanitized processes take ~100 ms each to start
+#else
+constexpr int kRounds = 100;
+#endif
+
 void init_cuda_here() {
   const auto& drv = cuda::Driver::load();
   drv.check(drv.api().cuInit(0), "cuInit");
@@ -165,7 +176,8 @@ TEST_F(Launcher, EveryStartMethodRunsEntriesWithTheirContext) {
     EXPECT_TRUE(r.success());
     EXPECT_EQ(r.method, m);
     for (int i = 0; i < 3; ++i) {
-      auto want = fmt::format("rank={} local={} world=3 local_world=3 node=0 restart=0 args=2 env_rank={}\n", i, i, i);
+      auto want = fmt::format(
+          "rank={} local={} world=3 local_world=3 node=0 restart=0 args=2 env_rank={}\n", i, i, i);
       EXPECT_NE(out.find(want), std::string::npos) << fl::to_string(m) << ": " << out;
     }
   }
@@ -196,7 +208,8 @@ TEST_F(Launcher, FirstFailureStopsTheGroupAndIsTheRootCause) {
       EXPECT_LT(std::chrono::steady_clock::now() - start, 4s) << "stopped within the grace period";
       EXPECT_EQ(r.root_cause, 1);
       EXPECT_EQ(r.exit_code(), 3);
-      EXPECT_EQ(r.ranks[1].stderr_tail, (std::vector<std::string>{"loading shard 1", "shard 1 is corrupt"}));
+      EXPECT_EQ(r.ranks[1].stderr_tail,
+                (std::vector<std::string>{"loading shard 1", "shard 1 is corrupt"}));
       for (int i : {0, 2, 3}) {
         EXPECT_TRUE(r.ranks[static_cast<size_t>(i)].stopped_by_launcher);
         EXPECT_EQ(r.ranks[static_cast<size_t>(i)].status.signal, SIGTERM);
@@ -275,9 +288,10 @@ TEST_F(Launcher, CommandsGetTorchrunsEnvironment) {
   o.nodes.master_addr = "10.1.2.3";
   o.nodes.master_port = 4242;
   testing::internal::CaptureStdout();
-  fl::run(o, {"sh", "-c",
-              "echo $RANK $LOCAL_RANK $GROUP_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $MASTER_ADDR "
-              "$MASTER_PORT $TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS $OMP_NUM_THREADS"});
+  fl::run(o,
+          {"sh", "-c",
+           "echo $RANK $LOCAL_RANK $GROUP_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $MASTER_ADDR "
+           "$MASTER_PORT $TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS $OMP_NUM_THREADS"});
   std::string out = testing::internal::GetCapturedStdout();
   EXPECT_NE(out.find("2 0 1 4 2 10.1.2.3 4242 0 0 1\n"), std::string::npos) << out;
   EXPECT_NE(out.find("3 1 1 4 2 10.1.2.3 4242 0 0 1\n"), std::string::npos) << out;
@@ -294,7 +308,8 @@ TEST_F(Launcher, MissingCommandIsASpawnErrorNamingIt) {
     fl::run(quiet(2, fl::StartMethod::kForkServer), {"/nonexistent/trainer"});
     FAIL();
   } catch (const fl::SpawnError& e) {
-    EXPECT_NE(std::string(e.what()).find("failed to execute /nonexistent/trainer"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("failed to execute /nonexistent/trainer"),
+              std::string::npos)
         << e.what();
   }
 }
@@ -304,7 +319,8 @@ TEST_F(Launcher, UnknownEntryIsRefusedBeforeAnythingStarts) {
     fl::launch(quiet(2, fl::StartMethod::kSpawn), "no_such_entry", {});
     FAIL();
   } catch (const forkguard::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("no entry function named \"no_such_entry\""), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("no entry function named \"no_such_entry\""),
+              std::string::npos);
     EXPECT_NE(std::string(e.what()).find("cuda_rank"), std::string::npos) << "lists what exists";
   }
 }
@@ -372,20 +388,26 @@ void expect_no_orphans(const std::string& method) {
   for (pid_t p : ranks) EXPECT_FALSE(alive(p)) << method << ": rank PID " << p << " survived";
 }
 
-TEST(LauncherKilled, NoRankSurvivesSigkillOfTheLauncherSpawn) { expect_no_orphans("spawn"); }
-TEST(LauncherKilled, NoRankSurvivesSigkillOfTheLauncherForkServer) { expect_no_orphans("forkserver"); }
-TEST(LauncherKilled, NoRankSurvivesSigkillOfTheLauncherFork) { expect_no_orphans("fork"); }
+TEST(LauncherKilled, NoRankSurvivesSigkillOfTheLauncherSpawn) {
+  expect_no_orphans("spawn");
+}
+TEST(LauncherKilled, NoRankSurvivesSigkillOfTheLauncherForkServer) {
+  expect_no_orphans("forkserver");
+}
+TEST(LauncherKilled, NoRankSurvivesSigkillOfTheLauncherFork) {
+  expect_no_orphans("fork");
+}
 
 // ---------------------------------------------------------------- dirty parent (keep these last:
 // they initialize CUDA in this test process)
 
-TEST_F(Launcher, AfterTheParentInitializedCuda100LaunchesOf4Ranks) {
+TEST_F(Launcher, AfterTheParentInitializedCudaManyLaunchesOf4Ranks) {
   init_cuda_here();
   for (auto m : {fl::StartMethod::kSpawn, fl::StartMethod::kForkServer}) {
     int ok = 0;
     auto o = quiet(4, m);
     o.log.prefix = false;
-    for (int i = 0; i < 100; ++i) {
+    for (int i = 0; i < kRounds; ++i) {
       testing::internal::CaptureStdout();
       auto r = fl::launch(o, "cuda_rank", {});
       std::string out = testing::internal::GetCapturedStdout();
@@ -394,13 +416,13 @@ TEST_F(Launcher, AfterTheParentInitializedCuda100LaunchesOf4Ranks) {
       }
       ASSERT_TRUE(r.success());
     }
-    EXPECT_EQ(ok, 400) << fl::to_string(m) << ": every rank's cuInit succeeds";
+    EXPECT_EQ(ok, 4 * kRounds) << fl::to_string(m) << ": every rank's cuInit succeeds";
   }
 }
 
 TEST_F(Launcher, GuardedForkAfterInitIsRefusedBeforeAnyChildExists) {
   init_cuda_here();
-  for (int i = 0; i < 100; ++i) {
+  for (int i = 0; i < kRounds; ++i) {
     auto before = ft::children_of(::getpid());
     try {
       fl::launch(quiet(4, fl::StartMethod::kFork), "cuda_rank", {});
@@ -430,7 +452,9 @@ TEST_F(Launcher, AutoAfterInitUsesTheForkServerAndSaysSo) {
   std::string err = testing::internal::GetCapturedStderr();
   EXPECT_TRUE(r.success());
   EXPECT_EQ(r.method, fl::StartMethod::kForkServer);
-  EXPECT_NE(err.find("start method auto: forkserver (this process is initialized"), std::string::npos) << err;
+  EXPECT_NE(err.find("start method auto: forkserver (this process is initialized"),
+            std::string::npos)
+      << err;
   EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 4) << out;
 }
 
@@ -449,7 +473,8 @@ TEST_F(Launcher, AChildForkedAfterInitReallyFails) {
   // The failure the launcher prevents, shown directly: a plain fork's cuInit fails.
   init_cuda_here();
   pid_t child = ::fork();
-  if (child == 0) ::_exit(cuda::Driver::load().api().cuInit(0) == cuda::CUDA_ERROR_NOT_INITIALIZED ? 0 : 1);
+  if (child == 0)
+    ::_exit(cuda::Driver::load().api().cuInit(0) == cuda::CUDA_ERROR_NOT_INITIALIZED ? 0 : 1);
   int status = 0;
   ::waitpid(child, &status, 0);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);

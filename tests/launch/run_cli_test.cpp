@@ -51,8 +51,9 @@ TEST_F(RunCli, SuccessIsExitZeroWithPrefixedLines) {
 TEST_F(RunCli, ExitCodeAndJsonReportNameTheRootCause) {
   std::string report = dir_.path() + "/report.json";
   for (const char* method : {"spawn", "forkserver", "fork"}) {
-    auto r = run({"--nproc-per-node", "3", "--start-method", method, "--grace", "5", "--json-report",
-                  report, "--", "sh", "-c", "if [ $RANK = 1 ]; then echo bad input >&2; exit 9; fi; exec sleep 30"});
+    auto r = run({"--nproc-per-node", "3", "--start-method", method, "--grace", "5",
+                  "--json-report", report, "--", "sh", "-c",
+                  "if [ $RANK = 1 ]; then echo bad input >&2; exit 9; fi; exec sleep 30"});
     EXPECT_EQ(r.exit_code, 9) << method << r.err;
     EXPECT_NE(r.err.find("rank 1 (local rank 1, PID"), std::string::npos) << r.err;
     EXPECT_NE(r.err.find("| bad input"), std::string::npos) << r.err;
@@ -76,12 +77,14 @@ TEST_F(RunCli, MoreRanksThanGpusWithBindFailsBeforeLaunch) {
   std::string marker = dir_.path() + "/started";
   auto r = run({"--nproc-per-node", "4", "--bind-gpus", "--", "touch", marker});
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_NE(r.err.find("with 4 ranks per node needs 4 GPUs, but only 2 are visible"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("with 4 ranks per node needs 4 GPUs, but only 2 are visible"),
+            std::string::npos)
+      << r.err;
   EXPECT_NE(r.err.find("CUDA_VISIBLE_DEVICES unset"), std::string::npos) << r.err;
   struct stat st {};
   EXPECT_NE(::stat(marker.c_str(), &st), 0) << "no rank may start";
-  auto shared = run({"--nproc-per-node", "4", "--bind-gpus", "--allow-gpu-sharing", "--", "sh", "-c",
-                     "echo $CUDA_VISIBLE_DEVICES"});
+  auto shared = run({"--nproc-per-node", "4", "--bind-gpus", "--allow-gpu-sharing", "--", "sh",
+                     "-c", "echo $CUDA_VISIBLE_DEVICES"});
   EXPECT_EQ(shared.exit_code, 0) << shared.err;
   EXPECT_NE(shared.out.find("[rank3]:1\n"), std::string::npos) << shared.out;
 }
@@ -94,7 +97,8 @@ TEST_F(RunCli, NprocGpuGivesOneRankPerVisibleGpu) {
   EXPECT_NE(r.out.find("[rank1]:1:1:2\n"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("[rank2]"), std::string::npos) << r.out;
   env_["CUDA_VISIBLE_DEVICES"] = "1";
-  auto one = run({"--nproc-per-node", "gpu", "--bind-gpus", "--", "sh", "-c", "echo $CUDA_VISIBLE_DEVICES"});
+  auto one = run(
+      {"--nproc-per-node", "gpu", "--bind-gpus", "--", "sh", "-c", "echo $CUDA_VISIBLE_DEVICES"});
   EXPECT_EQ(one.out, "[rank0]:1\n") << one.out << one.err;
 }
 
@@ -106,9 +110,10 @@ TEST_F(RunCli, RanksSeeOnlyTheirGpuThroughTheDriver) {
 }
 
 TEST_F(RunCli, SigtermToTheLauncherIsForwardedToEveryRank) {
-  ft::Interactive launcher({ft::kForkguard, "run", "--quiet", "--nproc-per-node", "2", "--", "sh", "-c",
-                            "trap 'echo got TERM; exit 0' TERM; echo ready; while :; do sleep 0.02; done"},
-                           env_);
+  ft::Interactive launcher(
+      {ft::kForkguard, "run", "--quiet", "--nproc-per-node", "2", "--", "sh", "-c",
+       "trap 'echo got TERM; exit 0' TERM; echo ready; while :; do sleep 0.02; done"},
+      env_);
   std::set<std::string> ready;
   while (ready.size() < 2) ready.insert(launcher.read_line(10s));
   auto start = std::chrono::steady_clock::now();
@@ -138,7 +143,8 @@ TEST_F(RunCli, NoRankSurvivesSigkillOfTheLauncher) {
            std::any_of(ranks.begin(), ranks.end(), alive)) {
       std::this_thread::sleep_for(10ms);
     }
-    for (pid_t p : ranks) EXPECT_FALSE(alive(p)) << method << ": rank " << p << " outlived the launcher";
+    for (pid_t p : ranks)
+      EXPECT_FALSE(alive(p)) << method << ": rank " << p << " outlived the launcher";
   }
 }
 
@@ -148,9 +154,10 @@ TEST_F(RunCli, UsageErrors) {
   EXPECT_EQ(run({"--start-method", "teleport", "--", "true"}).exit_code, 2);
   EXPECT_EQ(run({}).exit_code, 2) << "a command is required";
   auto help = ft::run({ft::kForkguard, "run", "--help"});
-  for (const char* flag : {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
-                           "--standalone", "--max-restarts", "--log-dir", "--tee", "--local-ranks-filter",
-                           "--start-method", "--bind-gpus", "--allow-gpu-sharing", "--grace", "--json-report"}) {
+  for (const char* flag :
+       {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
+        "--standalone", "--max-restarts", "--log-dir", "--tee", "--local-ranks-filter",
+        "--start-method", "--bind-gpus", "--allow-gpu-sharing", "--grace", "--json-report"}) {
     EXPECT_NE(help.out.find(flag), std::string::npos) << flag;
   }
 }
@@ -158,21 +165,38 @@ TEST_F(RunCli, UsageErrors) {
 TEST_F(RunCli, MissingCommandSaysSo) {
   auto r = run({"--", "/nonexistent/train"});
   EXPECT_EQ(r.exit_code, 1);
-  EXPECT_NE(r.err.find("failed to execute /nonexistent/train: No such file or directory"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("failed to execute /nonexistent/train: No such file or directory"),
+            std::string::npos)
+      << r.err;
 }
 
 TEST_F(RunCli, UnderMpirunEachNodeFansOutItsRanks) {
   struct stat st {};
-  if (::stat("/usr/bin/mpirun", &st) != 0) GTEST_SKIP() << "Open MPI (openmpi-bin) is not installed";
+  if (::stat("/usr/bin/mpirun", &st) != 0)
+    GTEST_SKIP() << "Open MPI (openmpi-bin) is not installed";
   auto env = env_;
   env["OMPI_ALLOW_RUN_AS_ROOT"] = "1";
   env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1";
-  auto r = ft::run({"/usr/bin/mpirun", "--oversubscribe", "-np", "2", ft::kForkguard, "run", "--quiet",
-                    "--nproc-per-node", "2", "--no-prefix", "--", "printenv", "RANK"},
+  auto r = ft::run({"/usr/bin/mpirun", "--oversubscribe", "-np", "2", ft::kForkguard, "run",
+                    "--quiet", "--nproc-per-node", "2", "--no-prefix", "--", "printenv", "RANK"},
                    env, 60s);
   EXPECT_EQ(r.exit_code, 0) << r.err;
   std::multiset<std::string> ranks;
   std::istringstream in(r.out);
   for (std::string line; std::getline(in, line);) ranks.insert(line);
   EXPECT_EQ(ranks, (std::multiset<std::string>{"0", "1", "2", "3"})) << r.out << r.err;
+}
+
+TEST_F(RunCli, RealTorchDistributedGlooAllReduce) {
+  if (ft::run({"/usr/bin/python3", "-c", "import torch.distributed"}).exit_code != 0) {
+    GTEST_SKIP() << "Debian's python3-torch is not installed";
+  }
+  auto r = ft::run({ft::kForkguard, "run", "--quiet", "--standalone", "--nproc-per-node", "2", "--",
+                    "/usr/bin/python3", FORKGUARD_SOURCE_DIR "/examples/ddp_gloo.py"},
+                   env_, 120s);
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("[rank0]:rank 0/2: all_reduce = 3 (expected 3)"), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("[rank1]:rank 1/2: all_reduce = 3 (expected 3)"), std::string::npos)
+      << r.out;
 }
