@@ -22,7 +22,9 @@ using Clock = std::chrono::steady_clock;
 
 extern char** environ;
 
-FORKGUARD_ENTRY(noop) { return 0; }
+FORKGUARD_ENTRY(noop) {
+  return 0;
+}
 
 namespace {
 
@@ -111,14 +113,19 @@ int main(int argc, char** argv) {
     spawn_wait({forkguard_cli, "run", "--quiet", "--nproc-per-node", "2", "--", "/bin/true"});
   });
   fmt::print("  sh -c '/bin/true & /bin/true & wait'           {:8.3f} ms\n", sh2);
-  fmt::print("  forkguard run --nproc-per-node 2 -- /bin/true  {:8.3f} ms  (+{:.3f} ms, {:.2f}x; target: within 3 ms)\n",
-             cli2, cli2 - sh2, cli2 / sh2);
-  fmt::print("\nfork-server rank, start to exit of one no-op entry: {:.3f} ms (target: start under 1 ms)\n",
-             fs_one_rank);
+  fmt::print(
+      "  forkguard run --nproc-per-node 2 -- /bin/true  {:8.3f} ms  (+{:.3f} ms, {:.2f}x; target: "
+      "within 3 ms)\n",
+      cli2, cli2 - sh2, cli2 / sh2);
+  fmt::print(
+      "\nfork-server rank, start to exit of one no-op entry: {:.3f} ms (target: start under 1 "
+      "ms)\n",
+      fs_one_rank);
 
   // torchrun, the peer, on the same job, where Debian's PyTorch and the shared script are present.
   const char* script_env = std::getenv("FORKGUARD_TORCHRUN");
-  std::string script = script_env != nullptr ? script_env : "../shared/bench-data/torchrun_py311.py";
+  std::string script =
+      script_env != nullptr ? script_env : "../shared/bench-data/torchrun_py311.py";
   if (::access(script.c_str(), R_OK) == 0 && ::access("/usr/bin/python3", X_OK) == 0) {
     const int treps = 3;
     for (const char* interval : {"0.1", "5"}) {
@@ -126,12 +133,14 @@ int main(int argc, char** argv) {
         spawn_wait({"/usr/bin/python3", script, "--nproc_per_node", "2", "--monitor_interval",
                     interval, "--no_python", "/bin/true"});
       });
-      fmt::print("torchrun --nproc-per-node 2 --monitor-interval {} --no-python /bin/true: {:.1f} ms "
-                 "(median of {}; forkguard run is {:.0f}x faster)\n",
-                 interval, t, treps, t / cli2);
+      fmt::print(
+          "torchrun --nproc-per-node 2 --monitor-interval {} --no-python /bin/true: {:.1f} ms "
+          "(median of {}; forkguard run is {:.0f}x faster)\n",
+          interval, t, treps, t / cli2);
     }
   } else {
-    fmt::print("torchrun not measured: {} or /usr/bin/python3 missing (set FORKGUARD_TORCHRUN)\n", script);
+    fmt::print("torchrun not measured: {} or /usr/bin/python3 missing (set FORKGUARD_TORCHRUN)\n",
+               script);
   }
   return 0;
 }

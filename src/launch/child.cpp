@@ -115,7 +115,7 @@ UniqueFd open_pidfd(pid_t pid) {
   return fd;
 }
 
-StartedChild spawn_exec(const PreparedExec& exec, const ChildIo& io) {
+StartedChild begin_exec(const PreparedExec& exec, const ChildIo& io) {
   int err_pipe[2];
   if (::pipe2(err_pipe, O_CLOEXEC) != 0) {
     throw SpawnError(
@@ -141,20 +141,29 @@ StartedChild spawn_exec(const PreparedExec& exec, const ChildIo& io) {
     ::_exit(127);
   }
   ::close(err_pipe[1]);
+  StartedChild child;
+  child.pid = pid;
+  child.exec_check.reset(err_pipe[0]);
+  child.pidfd = open_pidfd(pid);
+  return child;
+}
+
+void await_exec(StartedChild& child, const std::string& path) {
   int child_errno = 0;
   ssize_t n;
   do {
-    n = ::read(err_pipe[0], &child_errno, sizeof child_errno);
+    n = ::read(child.exec_check.get(), &child_errno, sizeof child_errno);
   } while (n < 0 && errno == EINTR);
-  ::close(err_pipe[0]);
+  child.exec_check.reset();
   if (n == sizeof child_errno) {
-    ::waitpid(pid, nullptr, 0);
-    throw SpawnError(
-        fmt::format("failed to execute {}: {}", exec.path, std::strerror(child_errno)));
+    ::waitpid(child.pid, nullptr, 0);
+    throw SpawnError(fmt::format("failed to execute {}: {}", path, std::strerror(child_errno)));
   }
-  StartedChild child;
-  child.pid = pid;
-  child.pidfd = open_pidfd(pid);
+}
+
+StartedChild spawn_exec(const PreparedExec& exec, const ChildIo& io) {
+  auto child = begin_exec(exec, io);
+  await_exec(child, exec.path);
   return child;
 }
 

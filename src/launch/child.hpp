@@ -36,7 +36,8 @@ struct ChildIo {
 
 struct StartedChild {
   pid_t pid = -1;
-  UniqueFd pidfd;  // readable when the child exits; waitid(P_PIDFD) reaps it
+  UniqueFd pidfd;       // readable when the child exits; waitid(P_PIDFD) reaps it
+  UniqueFd exec_check;  // begin_exec only: EOF once the exec happened, an errno if it failed
 };
 
 // ============ child side: no malloc, no locks, no exceptions from here ============
@@ -48,6 +49,10 @@ bool child_setup(pid_t parent, const ChildIo& io, int keep_fd) noexcept;
 // fork + child_setup + execve. Throws SpawnError "failed to execute PATH: <errno text>" with the
 // errno the child reported through a close-on-exec pipe.
 StartedChild spawn_exec(const PreparedExec& exec, const ChildIo& io);
+// The two halves of spawn_exec, so that several children exec in parallel: begin_exec forks,
+// await_exec waits for the exec (or reaps the child and throws).
+StartedChild begin_exec(const PreparedExec& exec, const ChildIo& io);
+void await_exec(StartedChild& child, const std::string& path);
 
 // fork + child_setup + fn(ctx) with `envp` as the environment; the child _exits with its result.
 StartedChild fork_call(EntryFunction fn, const RankContext& ctx, char** envp, const ChildIo& io);

@@ -55,6 +55,12 @@ InitState& init_state() {
   return state;
 }
 
+std::string registered_entries() {
+  std::string known;
+  for (const auto& n : entry_names()) known += (known.empty() ? "" : ", ") + n;
+  return known.empty() ? "none" : known;
+}
+
 }  // namespace detail
 }  // namespace launch
 
@@ -68,10 +74,9 @@ void init(int argc, char** argv, const InitOptions& options) {
     ::unsetenv(launch::detail::kEntryVariable);  // the rank's own children are not ranks
     auto fn = launch::find_entry(entry);
     if (fn == nullptr) {
-      std::string known;
-      for (const auto& n : launch::entry_names()) known += (known.empty() ? "" : ", ") + n;
       std::fprintf(stderr, "forkguard: no entry function named \"%s\" in %s (registered: %s)\n",
-                   entry.c_str(), state.argv0.c_str(), known.empty() ? "none" : known.c_str());
+                   entry.c_str(), state.argv0.c_str(),
+                   launch::detail::registered_entries().c_str());
       std::exit(127);
     }
     launch::RankContext ctx;

@@ -150,8 +150,8 @@ class Zygote {
   }
 
   void check_clean() {
+    if (probe::self_fork_safe()) return;
     auto state = probe::self();
-    if (state.fork_safe) return;
     std::string evidence;
     for (const auto& e : state.evidence) {
       if (e.kind != probe::EvidenceKind::kEnvironment) evidence += "; " + e.detail;

@@ -14,4 +14,7 @@ struct InitState {
 
 InitState& init_state();
 
+// "a, b, c", or "none": for messages about an unknown entry name.
+std::string registered_entries();
+
 }  // namespace forkguard::launch::detail

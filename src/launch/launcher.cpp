@@ -62,8 +62,8 @@ StartMethod resolve_method(const Options& o, const Job& job) {
       return StartMethod::kForkServer;
     case StartMethod::kFork: {
       if (!job.is_entry()) return StartMethod::kFork;  // fork+exec: always safe
+      if (probe::self_fork_safe()) return StartMethod::kFork;
       auto state = probe::self();
-      if (state.fork_safe) return StartMethod::kFork;
       if (o.dirty_parent == DirtyParent::kRefuse) throw DirtyForkError(std::move(state), o.nproc);
       auto m = server != nullptr ? StartMethod::kForkServer : StartMethod::kSpawn;
       notice(o, fmt::format("this process is {}: starting ranks by {} instead of fork",
@@ -71,16 +71,14 @@ StartMethod resolve_method(const Options& o, const Job& job) {
       return m;
     }
     case StartMethod::kAuto: {
-      // A command is always started by fork+exec, safe whatever this process holds: nothing
-      // to decide, nothing to say.
-      if (!job.is_entry())
-        return server != nullptr ? StartMethod::kForkServer : StartMethod::kSpawn;
-      auto state = probe::self();
-      if (state.fork_safe) {
-        notice(o, fmt::format("start method auto: fork (this process is {})",
-                              probe::to_string(state.verdict)));
+      // A command is always started by fork+exec, safe whatever this process holds, and from
+      // here rather than through the zygote (one round trip less per rank: bench/launch).
+      if (!job.is_entry()) return StartMethod::kSpawn;
+      if (probe::self_fork_safe()) {
+        notice(o, "start method auto: fork (this process holds no CUDA state)");
         return StartMethod::kFork;
       }
+      auto state = probe::self();
       auto m = server != nullptr ? StartMethod::kForkServer : StartMethod::kSpawn;
       notice(o,
              fmt::format("start method auto: {} (this process is {}, fork would poison the ranks)",
@@ -111,6 +109,8 @@ struct Rank {
   bool stopped_by_launcher = false;
   Stream out, err;
   std::deque<std::string> tail;
+  UniqueFd exec_check;  // until the exec is known to have happened
+  std::string exec_path;
 };
 
 // Blocks SIGINT/SIGTERM/SIGHUP for the launch and reads them from a signalfd.
@@ -287,12 +287,24 @@ class Attempt {
           }
           auto exec = detail::prepare_exec(argv, env);
           if (job_.is_entry()) exec.path = "/proc/self/exe";
-          auto child = detail::spawn_exec(exec, io);
+          // Not waiting for the exec here lets the ranks exec in parallel; checked below.
+          auto child = detail::begin_exec(exec, io);
           r.pid = child.pid;
           r.pidfd = std::move(child.pidfd);
+          r.exec_check = std::move(child.exec_check);
+          r.exec_path = exec.path;
           break;
         }
       }
+      r.running = true;
+    }
+    for (auto& r : ranks_) {
+      if (!r.exec_check) continue;
+      detail::StartedChild c;
+      c.pid = r.pid;
+      c.exec_check = std::move(r.exec_check);
+      r.running = false;  // await_exec reaps it when the exec failed
+      detail::await_exec(c, r.exec_path);
       r.running = true;
     }
   }
@@ -505,10 +517,8 @@ Result supervise(const Options& o, const Job& job) {
   if (o.nproc < 1) throw Error(fmt::format("nproc must be at least 1, not {}", o.nproc));
   if (job.is_entry()) {
     if (find_entry(job.entry) == nullptr) {
-      std::string known;
-      for (const auto& n : entry_names()) known += (known.empty() ? "" : ", ") + n;
       throw Error(fmt::format("no entry function named \"{}\" (registered: {})", job.entry,
-                              known.empty() ? "none" : known));
+                              detail::registered_entries()));
     }
   } else if (job.argv.empty()) {
     throw Error("no command to run");

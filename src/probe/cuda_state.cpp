@@ -361,6 +361,16 @@ CudaState self() {
   return Prober(::getpid(), true).run();
 }
 
+bool self_fork_safe() {
+  auto libs = forkguard::detail::loaded_libraries();
+  if (std::none_of(libs.begin(), libs.end(), [](const std::string& l) {
+        return forkguard::detail::is_cuda_driver_library(l);
+      })) {
+    return true;
+  }
+  return self().fork_safe;
+}
+
 CudaState pid(pid_t target) {
   if (target <= 0) throw ProbeError(target, fmt::format("invalid PID {}", target), false);
   if (target == ::getpid()) return self();

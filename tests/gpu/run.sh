@@ -68,5 +68,19 @@ wait "$hjob"
 # NVML: forkguard's GPU inventory (doctor) must not make a process fork-unsafe.
 check "doctor self after NVML" clean "$("$fg" doctor --json | verdict_of_json)"
 "$fg" doctor | sed -n '/^environment:/,$p'
+# The launcher after the parent initialized CUDA: fork server and spawn ranks initialize CUDA,
+# plain fork is refused before any child exists (exit 3).
+nb=$build/bin/notebook_style
+nranks=$("$fg" run --quiet --nproc-per-node gpu --no-prefix -- /bin/echo x 2>/dev/null | wc -l)
+[ "$nranks" -ge 1 ] || nranks=1
+for m in forkserver spawn; do
+  out=$("$nb" --parent-touches-cuda --nproc "$nranks" --start-method $m 2>&1)
+  check "notebook_style $m: ranks with cuda ok" "$nranks" "$(grep -c 'cuda ok' <<<"$out")"
+done
+"$nb" --parent-touches-cuda --nproc "$nranks" --start-method fork >/dev/null 2>&1
+check "notebook_style fork after cuInit refused" 3 "$?"
+out=$("$fg" run --quiet --nproc-per-node gpu --bind-gpus --no-prefix -- sh -c 'echo $CUDA_VISIBLE_DEVICES')
+check "--nproc-per-node gpu --bind-gpus: one GPU each" "$nranks" "$(sort -u <<<"$out" | wc -l)"
+
 [ $fail -eq 0 ] && echo "tests/gpu: all checks passed" || echo "tests/gpu: FAILURES"
 exit $fail

@@ -372,20 +372,14 @@ void expect_no_orphans(const std::string& method) {
   ASSERT_EQ(ranks.size(), 3u);
   ::kill(launcher, SIGKILL);
   ::waitpid(launcher, nullptr, 0);
-  auto alive = [](pid_t p) {
-    std::ifstream stat("/proc/" + std::to_string(p) + "/stat");
-    std::string s((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
-    if (s.empty()) return false;
-    auto close = s.rfind(')');
-    return s[close + 2] != 'Z' && s[close + 2] != 'X';  // a zombie is dead, awaiting its reaper
-  };
   auto deadline = std::chrono::steady_clock::now() + 1s;
   bool any = true;
   while (any && std::chrono::steady_clock::now() < deadline) {
-    any = std::any_of(ranks.begin(), ranks.end(), alive);
+    any = std::any_of(ranks.begin(), ranks.end(), ft::is_alive);
     if (any) std::this_thread::sleep_for(10ms);
   }
-  for (pid_t p : ranks) EXPECT_FALSE(alive(p)) << method << ": rank PID " << p << " survived";
+  for (pid_t p : ranks)
+    EXPECT_FALSE(ft::is_alive(p)) << method << ": rank PID " << p << " survived";
 }
 
 TEST(LauncherKilled, NoRankSurvivesSigkillOfTheLauncherSpawn) {

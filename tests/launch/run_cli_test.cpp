@@ -30,14 +30,6 @@ class RunCli : public ::testing::Test {
   }
 };
 
-bool alive(pid_t p) {
-  std::ifstream stat("/proc/" + std::to_string(p) + "/stat");
-  std::string s((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
-  if (s.empty()) return false;
-  auto close = s.rfind(')');
-  return s[close + 2] != 'Z' && s[close + 2] != 'X';
-}
-
 }  // namespace
 
 TEST_F(RunCli, SuccessIsExitZeroWithPrefixedLines) {
@@ -140,11 +132,11 @@ TEST_F(RunCli, NoRankSurvivesSigkillOfTheLauncher) {
     launcher.finish();
     auto deadline = std::chrono::steady_clock::now() + 1s;
     while (std::chrono::steady_clock::now() < deadline &&
-           std::any_of(ranks.begin(), ranks.end(), alive)) {
+           std::any_of(ranks.begin(), ranks.end(), ft::is_alive)) {
       std::this_thread::sleep_for(10ms);
     }
     for (pid_t p : ranks)
-      EXPECT_FALSE(alive(p)) << method << ": rank " << p << " outlived the launcher";
+      EXPECT_FALSE(ft::is_alive(p)) << method << ": rank " << p << " outlived the launcher";
   }
 }
 

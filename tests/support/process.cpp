@@ -218,6 +218,13 @@ std::vector<pid_t> children_of(pid_t parent) {
   return out;
 }
 
+bool is_alive(pid_t pid) {
+  std::string stat = read_file("/proc/" + std::to_string(pid) + "/stat");
+  auto close = stat.rfind(')');
+  if (close == std::string::npos || close + 2 >= stat.size()) return false;
+  return stat[close + 2] != 'Z' && stat[close + 2] != 'X';
+}
+
 std::string read_file(const std::string& path) {
   std::ifstream in(path);
   std::stringstream ss;

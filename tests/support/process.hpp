@@ -60,6 +60,8 @@ class TempDir {
   std::string path_;
 };
 
+// The process exists and is not a zombie (dead, awaiting its reaper).
+bool is_alive(pid_t pid);
 std::vector<int> open_fds();            // of this process, from /proc/self/fd
 std::vector<pid_t> children_of(pid_t);  // from /proc/*/stat
 std::string read_file(const std::string& path);

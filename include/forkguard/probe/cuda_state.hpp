@@ -80,6 +80,10 @@ class ProbeError : public Error {
 CudaState self();
 CudaState pid(pid_t pid);  // pid == getpid() gives self()
 
+// self().fork_safe, answered in microseconds when no CUDA driver is mapped here (the common case:
+// every unsafe verdict needs the driver in the address space); the full probe otherwise.
+bool self_fork_safe();
+
 std::string_view to_string(Verdict verdict);
 std::string_view to_string(EvidenceKind kind);
 bool is_fork_safe(Verdict verdict);
