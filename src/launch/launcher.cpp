@@ -242,8 +242,8 @@ class Attempt {
       r.local_rank = i;
       r.rank = place_.node_rank * place_.nproc + i;
       r.console = o_.log.console_ranks.empty() ||
-                  std::find(o_.log.console_ranks.begin(), o_.log.console_ranks.end(), r.rank) !=
-                      o_.log.console_ranks.end();
+                  std::find(o_.log.console_ranks.begin(), o_.log.console_ranks.end(),
+                            r.local_rank) != o_.log.console_ranks.end();
       int out[2], err[2];
       if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0) {
         throw SystemError(fmt::format("error preparing rank {}: pipe2", r.rank), errno);

@@ -337,6 +337,16 @@ TEST_F(Launcher, LogDirGetsEveryRanksOutput) {
   EXPECT_EQ(ft::read_file(o.log.log_dir + "/attempt_0/rank1/stderr.log"), "err 1\n");
 }
 
+TEST_F(Launcher, ConsoleFilterTakesLocalRanksAsTorchrunDoes) {
+  auto o = quiet(2, fl::StartMethod::kSpawn);
+  o.nodes.nnodes = 2;
+  o.nodes.node_rank = 1;
+  o.log.console_ranks = {1};
+  testing::internal::CaptureStdout();
+  fl::run(o, {"sh", "-c", "echo $RANK"});
+  EXPECT_EQ(testing::internal::GetCapturedStdout(), "[rank3]:3\n") << "local rank 1 of node 1";
+}
+
 TEST_F(Launcher, GuardedForkOfACleanProcessIsAllowed) {
   auto r = fl::launch(quiet(2, fl::StartMethod::kFork), "cuda_rank", {});
   EXPECT_TRUE(r.success());

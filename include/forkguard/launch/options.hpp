@@ -36,7 +36,7 @@ struct StopPolicy {
 struct LogPolicy {
   bool prefix = true;                // console lines prefixed "[rankN]:" (torchrun --tee style)
   std::string log_dir{};             // when set, DIR/<restart>/rank<N>.{stdout,stderr}
-  std::vector<int> console_ranks{};  // ranks shown on the console (empty: all)
+  std::vector<int> console_ranks{};  // local ranks shown on the console (empty: all)
   size_t stderr_tail_lines = 10;     // last stderr lines kept per rank for the failure report
 };
 
