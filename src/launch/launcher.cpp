@@ -476,7 +476,11 @@ class Attempt {
 
   void finish() {
     // Leftover descendants in the ranks' groups go too, then what they wrote is drained.
-    for (auto& r : ranks_) signal_group(r, SIGKILL);
+    // By group id only: the rank itself is reaped, so its PID may already belong to another
+    // process, but a group id is not reused while any member of the group lives.
+    for (auto& r : ranks_) {
+      if (r.pid > 0) ::kill(-r.pid, SIGKILL);
+    }
     for (auto& r : ranks_) {
       for (int is_err = 0; is_err < 2; ++is_err) {
         Stream& s = is_err ? r.err : r.out;
