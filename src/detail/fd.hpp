@@ -3,6 +3,8 @@
 
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstddef>
 #include <utility>
 
 namespace forkguard::detail {
@@ -31,5 +33,18 @@ class UniqueFd {
  private:
   int fd_ = -1;
 };
+
+// Writes all of data, retrying on EINTR; gives up silently on any other error. Async-signal-safe:
+// used between fork and exec too.
+inline void write_all(int fd, const void* data, size_t len) noexcept {
+  const char* p = static_cast<const char*>(data);
+  while (len > 0) {
+    ssize_t n = ::write(fd, p, len);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    p += n;
+    len -= static_cast<size_t>(n);
+  }
+}
 
 }  // namespace forkguard::detail

@@ -52,17 +52,6 @@ void close_fds_except(int keep) noexcept {
   ::syscall(SYS_close_range, static_cast<unsigned>(keep + 1), ~0u, 0u);
 }
 
-void write_all(int fd, const void* data, size_t len) noexcept {
-  const char* p = static_cast<const char*>(data);
-  while (len > 0) {
-    ssize_t n = ::write(fd, p, len);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;
-    p += n;
-    len -= static_cast<size_t>(n);
-  }
-}
-
 }  // namespace
 
 std::vector<std::string> flatten(const EnvMap& env) {
@@ -137,7 +126,7 @@ StartedChild begin_exec(const PreparedExec& exec, const ChildIo& io) {
       ::execve(exec.path.c_str(), exec.argv.data(), exec.envp.data());
     }
     int e = errno;
-    write_all(err_pipe[1], &e, sizeof e);
+    forkguard::detail::write_all(err_pipe[1], &e, sizeof e);
     ::_exit(127);
   }
   ::close(err_pipe[1]);

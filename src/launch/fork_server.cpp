@@ -150,8 +150,9 @@ class Zygote {
   }
 
   void check_clean() {
-    if (probe::self_fork_safe()) return;
-    auto state = probe::self();
+    auto dirty = probe::self_if_fork_unsafe();
+    if (!dirty) return;
+    const auto& state = *dirty;
     std::string evidence;
     for (const auto& e : state.evidence) {
       if (e.kind != probe::EvidenceKind::kEnvironment) evidence += "; " + e.detail;

@@ -5,7 +5,6 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/signalfd.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -41,7 +40,6 @@ struct Job {
   std::string entry;              // or an entry
   std::vector<std::string> args;  // its arguments
   bool is_entry() const { return !entry.empty(); }
-  std::string what() const { return is_entry() ? "entry " + entry : argv[0]; }
 };
 
 void notice(const Options& o, const std::string& text) {
@@ -62,27 +60,27 @@ StartMethod resolve_method(const Options& o, const Job& job) {
       return StartMethod::kForkServer;
     case StartMethod::kFork: {
       if (!job.is_entry()) return StartMethod::kFork;  // fork+exec: always safe
-      if (probe::self_fork_safe()) return StartMethod::kFork;
-      auto state = probe::self();
-      if (o.dirty_parent == DirtyParent::kRefuse) throw DirtyForkError(std::move(state), o.nproc);
+      auto dirty = probe::self_if_fork_unsafe();
+      if (!dirty) return StartMethod::kFork;
+      if (o.dirty_parent == DirtyParent::kRefuse) throw DirtyForkError(std::move(*dirty), o.nproc);
       auto m = server != nullptr ? StartMethod::kForkServer : StartMethod::kSpawn;
       notice(o, fmt::format("this process is {}: starting ranks by {} instead of fork",
-                            probe::to_string(state.verdict), to_string(m)));
+                            probe::to_string(dirty->verdict), to_string(m)));
       return m;
     }
     case StartMethod::kAuto: {
       // A command is always started by fork+exec, safe whatever this process holds, and from
       // here rather than through the zygote (one round trip less per rank: bench/launch).
       if (!job.is_entry()) return StartMethod::kSpawn;
-      if (probe::self_fork_safe()) {
+      auto dirty = probe::self_if_fork_unsafe();
+      if (!dirty) {
         notice(o, "start method auto: fork (this process holds no CUDA state)");
         return StartMethod::kFork;
       }
-      auto state = probe::self();
       auto m = server != nullptr ? StartMethod::kForkServer : StartMethod::kSpawn;
       notice(o,
              fmt::format("start method auto: {} (this process is {}, fork would poison the ranks)",
-                         to_string(m), probe::to_string(state.verdict)));
+                         to_string(m), probe::to_string(dirty->verdict)));
       return m;
     }
   }
@@ -153,15 +151,6 @@ ExitStatus from_siginfo(const siginfo_t& info) {
     case CLD_KILLED: return ExitStatus::signaled(info.si_status, false);
     case CLD_DUMPED: return ExitStatus::signaled(info.si_status, true);
     default: return {};
-  }
-}
-
-void write_all(int fd, std::string_view s) {
-  while (!s.empty()) {
-    ssize_t n = ::write(fd, s.data(), s.size());
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;
-    s.remove_prefix(static_cast<size_t>(n));
   }
 }
 
@@ -331,7 +320,7 @@ class Attempt {
   }
 
   void emit(Rank& r, Stream& s, bool is_err, const char* data, size_t len) {
-    if (s.log) write_all(s.log.get(), {data, len});
+    if (s.log) forkguard::detail::write_all(s.log.get(), data, len);
     s.partial.append(data, len);
     size_t pos = 0, nl;
     while ((nl = s.partial.find('\n', pos)) != std::string::npos) {
@@ -349,24 +338,28 @@ class Attempt {
     if (!r.console) return;
     std::string out =
         o_.log.prefix ? fmt::format("[rank{}]:{}\n", r.rank, text) : std::string(text) + "\n";
-    write_all(is_err ? 2 : 1, out);
+    forkguard::detail::write_all(is_err ? 2 : 1, out.data(), out.size());
   }
 
-  // Reads what is there; returns false at EOF.
+  // Reads what is there: true when data came, false at EOF (stream closed) or when a
+  // non-blocking read found nothing.
   bool read_stream(Rank& r, Stream& s, bool is_err) {
     char buf[65536];
     ssize_t n = ::read(s.fd.get(), buf, sizeof buf);
-    if (n < 0 && (errno == EINTR || errno == EAGAIN)) return true;
-    if (n <= 0) {
-      if (!s.partial.empty()) {
-        line(r, is_err, s.partial);
-        s.partial.clear();
-      }
-      s.fd.reset();
-      return false;
+    if (n > 0) {
+      emit(r, s, is_err, buf, static_cast<size_t>(n));
+      return true;
     }
-    emit(r, s, is_err, buf, static_cast<size_t>(n));
-    return true;
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) return false;
+    close_stream(r, s, is_err);
+    return false;
+  }
+
+  // The unterminated last line counts as a line; then the pipe is closed.
+  void close_stream(Rank& r, Stream& s, bool is_err) {
+    if (!s.partial.empty()) line(r, is_err, s.partial);
+    s.partial.clear();
+    s.fd.reset();
   }
 
   bool any_running() const {
@@ -486,17 +479,10 @@ class Attempt {
         Stream& s = is_err ? r.err : r.out;
         if (!s.fd) continue;
         ::fcntl(s.fd.get(), F_SETFL, O_NONBLOCK);
-        while (s.fd) {
-          char buf[65536];
-          ssize_t n = ::read(s.fd.get(), buf, sizeof buf);
-          if (n > 0) {
-            emit(r, s, is_err, buf, static_cast<size_t>(n));
-            continue;
-          }
-          if (!s.partial.empty()) line(r, is_err, s.partial);
-          s.partial.clear();
-          s.fd.reset();
+        while (read_stream(r, s, is_err)) {
         }
+        // EOF, or nothing more now: a writer outside the ranks' groups is not waited for.
+        if (s.fd) close_stream(r, s, is_err);
       }
     }
   }

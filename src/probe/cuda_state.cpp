@@ -361,14 +361,16 @@ CudaState self() {
   return Prober(::getpid(), true).run();
 }
 
-bool self_fork_safe() {
+std::optional<CudaState> self_if_fork_unsafe() {
   auto libs = forkguard::detail::loaded_libraries();
   if (std::none_of(libs.begin(), libs.end(), [](const std::string& l) {
         return forkguard::detail::is_cuda_driver_library(l);
       })) {
-    return true;
+    return std::nullopt;
   }
-  return self().fork_safe;
+  auto state = self();
+  if (state.fork_safe) return std::nullopt;
+  return state;
 }
 
 CudaState pid(pid_t target) {

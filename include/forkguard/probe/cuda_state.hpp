@@ -20,6 +20,7 @@
 
 #include <sys/types.h>
 
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -80,9 +81,9 @@ class ProbeError : public Error {
 CudaState self();
 CudaState pid(pid_t pid);  // pid == getpid() gives self()
 
-// self().fork_safe, answered in microseconds when no CUDA driver is mapped here (the common case:
-// every unsafe verdict needs the driver in the address space); the full probe otherwise.
-bool self_fork_safe();
+// nullopt when this process is fork-safe, else self(). Answered in microseconds when no CUDA driver
+// is mapped here (the common case: every unsafe verdict needs the driver in the address space).
+std::optional<CudaState> self_if_fork_unsafe();
 
 std::string_view to_string(Verdict verdict);
 std::string_view to_string(EvidenceKind kind);
