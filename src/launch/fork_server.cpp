@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <vector>
@@ -29,6 +30,7 @@ namespace {
 
 constexpr size_t kMaxMessage = 4 << 20;
 ForkServer* g_server = nullptr;
+pid_t g_owner = 0;  // the process that started the zygote (its parent)
 
 bool send_message(int sock, const std::vector<std::string>& fields, const int* fds, int nfds) {
   std::string data = encode(fields);
@@ -260,6 +262,14 @@ void ForkServer::start() {
   }
   ::close(sv[1]);
   g_server = new ForkServer(pid, sv[0]);
+  g_owner = ::getpid();
+  // At exit, close the socket (the zygote sees EOF and exits) and reap it here, so it never
+  // becomes a zombie for init to collect.
+  std::atexit([] {
+    if (g_server == nullptr || ::getpid() != g_owner) return;  // a forked rank calling exit()
+    g_server->sock_.reset();
+    ::waitpid(g_server->pid_, nullptr, 0);
+  });
 }
 
 bool ForkServer::read_one(bool block) {

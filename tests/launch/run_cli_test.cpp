@@ -2,6 +2,7 @@
 // and real peers (Open MPI's mpirun).
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -138,6 +139,19 @@ TEST_F(RunCli, NoRankSurvivesSigkillOfTheLauncher) {
     for (pid_t p : ranks)
       EXPECT_FALSE(ft::is_alive(p)) << method << ": rank " << p << " outlived the launcher";
   }
+}
+
+TEST_F(RunCli, AProgramWithAForkServerReapsItAtExit) {
+  // As a subreaper, this process inherits whatever notebook_style leaves behind when it exits.
+  ASSERT_EQ(::prctl(PR_SET_CHILD_SUBREAPER, 1), 0);
+  auto r = ft::run(
+      {ft::kNotebookStyle, "--parent-touches-cuda", "--nproc", "2", "--start-method", "forkserver"},
+      env_);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  auto left = ft::children_of(::getpid());
+  for (pid_t p : left) ::waitpid(p, nullptr, 0);
+  EXPECT_TRUE(left.empty()) << "the zygote (or a rank) outlived its program, as a zombie or alive";
+  ::prctl(PR_SET_CHILD_SUBREAPER, 0);
 }
 
 TEST_F(RunCli, UsageErrors) {

@@ -12,6 +12,7 @@ inline const std::string kFakeCuda = kFakeCudaDir + "/libcuda.so.1";
 inline const std::string kFakeNvml = kFakeCudaDir + "/libnvidia-ml.so.1";
 inline const std::string kForkguard = FORKGUARD_BIN_DIR "/forkguard";
 inline const std::string kCudaStage = FORKGUARD_HELPER_DIR "/cuda_stage";
+inline const std::string kNotebookStyle = FORKGUARD_BIN_DIR "/notebook_style";
 
 // The environment that points forkguard and the helpers at the test driver, with device files
 // and the call log in `dir`.
