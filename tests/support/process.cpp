@@ -13,8 +13,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <stdexcept>
 
 extern char** environ;
@@ -204,17 +202,21 @@ std::vector<int> open_fds() {
   return fds;
 }
 
+// Processes come and go while /proc is read: one that vanishes is skipped, never an error.
 std::vector<pid_t> children_of(pid_t parent) {
   std::vector<pid_t> out;
-  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
-    const auto name = entry.path().filename().string();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream in(entry.path() / "stat");
-    std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  DIR* d = ::opendir("/proc");
+  if (d == nullptr) return out;
+  while (dirent* e = ::readdir(d)) {
+    std::string name = e->d_name;
+    if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::string stat = read_file("/proc/" + name + "/stat");
     auto close = stat.rfind(')');
     if (close == std::string::npos || close + 4 >= stat.size()) continue;
     if (std::atoi(stat.c_str() + close + 4) == parent) out.push_back(std::atoi(name.c_str()));
   }
+  ::closedir(d);
+  std::sort(out.begin(), out.end());
   return out;
 }
 
@@ -225,11 +227,18 @@ bool is_alive(pid_t pid) {
   return stat[close + 2] != 'Z' && stat[close + 2] != 'X';
 }
 
+// The whole file, or what could be read of it ("" when it does not exist or vanished).
 std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  std::string out;
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return out;
+  char buf[8192];
+  ssize_t n;
+  while ((n = ::read(fd, buf, sizeof buf)) > 0 || (n < 0 && errno == EINTR)) {
+    if (n > 0) out.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return out;
 }
 
 }  // namespace forkguard::testing
