@@ -137,7 +137,9 @@ int main(int argc, char** argv) {
       for (bool reaped = false; !reaped;) {
         pollfd p{server->fd(), POLLIN, 0};
         ::poll(&p, 1, 1000);
-        for (auto [exited, status] : server->take_exits()) reaped = reaped || exited == pid;
+        for (auto [exited, status] : server->take_exits([&](pid_t q) { return q == pid; })) {
+          reaped = reaped || exited == pid;
+        }
       }
     }
     fmt::print("fork-server rank start (request to started), median of {}: {:.3f} ms\n", t.size(),

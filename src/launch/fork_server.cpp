@@ -12,12 +12,17 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <map>
+#include <optional>
 #include <vector>
+
+#include "detail/seqpacket.hpp"
 
 #include "forkguard/launch/launcher.hpp"
 #include "forkguard/probe/cuda_state.hpp"
@@ -28,57 +33,16 @@ extern char** environ;
 namespace forkguard::launch::detail {
 namespace {
 
-constexpr size_t kMaxMessage = 4 << 20;
 ForkServer* g_server = nullptr;
 pid_t g_owner = 0;  // the process that started the zygote (its parent)
 
-bool send_message(int sock, const std::vector<std::string>& fields, const int* fds, int nfds) {
-  std::string data = encode(fields);
-  iovec iov{data.data(), data.size()};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 2)] = {};
-  if (nfds > 0) {
-    msg.msg_control = control;
-    msg.msg_controllen = CMSG_SPACE(sizeof(int) * static_cast<size_t>(nfds));
-    cmsghdr* c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int) * static_cast<size_t>(nfds));
-    std::memcpy(CMSG_DATA(c), fds, sizeof(int) * static_cast<size_t>(nfds));
-  }
-  ssize_t n;
-  do {
-    n = ::sendmsg(sock, &msg, MSG_NOSIGNAL);
-  } while (n < 0 && errno == EINTR);
-  return n == static_cast<ssize_t>(data.size());
-}
+using forkguard::detail::kMaxFds;
+using forkguard::detail::recv_message;
+using forkguard::detail::send_message;
 
-// Returns false on EOF or error; received fds (up to 2) land in fds[], -1 when absent.
-bool recv_message(int sock, std::vector<std::string>& fields, int fds[2], int flags) {
-  thread_local std::vector<char> buf(kMaxMessage);  // one per thread, not one per message
-  iovec iov{buf.data(), buf.size()};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 2)] = {};
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof control;
-  ssize_t n;
-  do {
-    n = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | flags);
-  } while (n < 0 && errno == EINTR);
-  if (n <= 0) return false;
-  fds[0] = fds[1] = -1;
-  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
-      size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      std::memcpy(fds, CMSG_DATA(c), sizeof(int) * std::min<size_t>(count, 2));
-    }
-  }
-  fields = decode(buf.data(), static_cast<size_t>(n));
-  return true;
+std::map<std::string, ZygoteFunction>& zygote_functions() {
+  static std::map<std::string, ZygoteFunction> functions;
+  return functions;
 }
 
 int to_int(const std::string& s) {
@@ -117,7 +81,7 @@ class Zygote {
       }
       if (fds[0].revents != 0) {
         std::vector<std::string> fields;
-        int io[2];
+        int io[kMaxFds];
         if (!recv_message(sock_, fields, io, 0)) break;  // the program is gone: so are we
         handle(fields, io);
         for (int fd : io) {
@@ -139,12 +103,13 @@ class Zygote {
 
   void reply_error(const std::string& why) { send_message(sock_, {"error", why}, nullptr, 0); }
 
-  void handle(const std::vector<std::string>& f, const int io[2]) {
+  void handle(const std::vector<std::string>& f, const int io[kMaxFds]) {
     try {
       if (f.empty()) return reply_error("empty request");
       ChildIo child_io{io[0], io[1]};
       if (f[0] == "entry") return start_entry(f, child_io);
       if (f[0] == "exec") return start_exec(f, child_io);
+      if (f[0] == "call") return start_call(f, child_io, io[2]);
       reply_error("unknown request " + f[0]);
     } catch (const std::exception& e) {
       reply_error(e.what());
@@ -197,34 +162,36 @@ class Zygote {
     send_message(sock_, {"started", std::to_string(child.pid)}, nullptr, 0);
   }
 
+  // call NAME, with the function's fd as the third attached fd.
+  void start_call(const std::vector<std::string>& f, const ChildIo& io, int fd) {
+    if (f.size() != 2 || fd < 0) return reply_error("malformed call request");
+    auto it = zygote_functions().find(f[1]);
+    if (it == zygote_functions().end()) {
+      return reply_error(fmt::format("no zygote function named \"{}\"", f[1]));
+    }
+    check_clean();
+    ZygoteFunction fn = it->second;
+    const pid_t parent = ::getpid();
+    std::fflush(nullptr);
+    pid_t pid = ::fork();
+    if (pid < 0) return reply_error(fmt::format("fork: {}", std::strerror(errno)));
+    if (pid == 0) {
+      // A fork of the single-threaded zygote: the function may allocate.
+      int target = fd;
+      if (fd != 3) {
+        target = ::dup2(fd, 3) < 0 ? fd : 3;  // the zygote's own socket (3) is dropped here
+      }
+      if (!child_setup(parent, io, target)) ::_exit(1);
+      std::fflush(nullptr);
+      ::_exit(fn(target));
+    }
+    send_message(sock_, {"started", std::to_string(pid)}, nullptr, 0);
+  }
+
   int sock_;
 };
 
 }  // namespace
-
-std::string encode(const std::vector<std::string>& fields) {
-  std::string out;
-  for (const auto& f : fields) {
-    uint32_t len = static_cast<uint32_t>(f.size());
-    out.append(reinterpret_cast<const char*>(&len), sizeof len);
-    out += f;
-  }
-  return out;
-}
-
-std::vector<std::string> decode(const char* data, size_t len) {
-  std::vector<std::string> fields;
-  size_t pos = 0;
-  while (pos + sizeof(uint32_t) <= len) {
-    uint32_t n;
-    std::memcpy(&n, data + pos, sizeof n);
-    pos += sizeof n;
-    if (pos + n > len) break;
-    fields.emplace_back(data + pos, n);
-    pos += n;
-  }
-  return fields;
-}
 
 ForkServer* ForkServer::get() {
   return g_server;
@@ -274,7 +241,7 @@ void ForkServer::start() {
 
 bool ForkServer::read_one(bool block) {
   std::vector<std::string> f;
-  int fds[2] = {-1, -1};
+  int fds[kMaxFds];
   if (!recv_message(sock_.get(), f, fds, block ? 0 : MSG_DONTWAIT)) return false;
   for (int fd : fds) {
     if (fd >= 0) ::close(fd);
@@ -288,17 +255,47 @@ bool ForkServer::read_one(bool block) {
   return true;
 }
 
-std::vector<std::pair<pid_t, int>> ForkServer::take_exits() {
+std::vector<std::pair<pid_t, int>> ForkServer::take_exits(const std::function<bool(pid_t)>& mine) {
   std::lock_guard lock(mutex_);
   while (read_one(false)) {
   }
-  return std::exchange(exits_, {});
+  std::vector<std::pair<pid_t, int>> out;
+  std::erase_if(exits_, [&](const std::pair<pid_t, int>& e) {
+    if (!mine(e.first)) return false;
+    out.push_back(e);
+    return true;
+  });
+  return out;
 }
 
-pid_t ForkServer::request(const std::vector<std::string>& fields, int stdout_fd, int stderr_fd) {
+std::optional<int> ForkServer::wait_exit(pid_t pid, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::unique_lock lock(mutex_);
+  while (true) {
+    while (read_one(false)) {
+    }
+    for (auto it = exits_.begin(); it != exits_.end(); ++it) {
+      if (it->first == pid) {
+        int status = it->second;
+        exits_.erase(it);
+        return status;
+      }
+    }
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return std::nullopt;
+    pollfd p{sock_.get(), POLLIN, 0};
+    lock.unlock();  // another thread may be reading the same socket meanwhile
+    ::poll(&p, 1, static_cast<int>(std::min<long>(left.count(), 50)));
+    lock.lock();
+  }
+}
+
+pid_t ForkServer::request(const std::vector<std::string>& fields, int stdout_fd, int stderr_fd,
+                          int extra_fd) {
   std::lock_guard lock(mutex_);
-  int fds[2] = {stdout_fd >= 0 ? stdout_fd : 1, stderr_fd >= 0 ? stderr_fd : 2};
-  if (!send_message(sock_.get(), fields, fds, 2)) {
+  int fds[kMaxFds] = {stdout_fd >= 0 ? stdout_fd : 1, stderr_fd >= 0 ? stderr_fd : 2, extra_fd};
+  if (!send_message(sock_.get(), fields, fds, extra_fd >= 0 ? 3 : 2)) {
     throw SpawnError(
         fmt::format("the fork server (PID {}) is gone: {}", pid_, std::strerror(errno)));
   }
@@ -335,6 +332,15 @@ pid_t ForkServer::start_exec(const std::vector<std::string>& argv,
   f.insert(f.end(), argv.begin(), argv.end());
   f.insert(f.end(), env.begin(), env.end());
   return request(f, stdout_fd, stderr_fd);
+}
+
+pid_t ForkServer::start_call(const std::string& function, int fd, int stdout_fd, int stderr_fd) {
+  return request({"call", function}, stdout_fd, stderr_fd, fd);
+}
+
+bool register_zygote_function(const char* name, ZygoteFunction fn) {
+  zygote_functions()[name] = fn;
+  return true;
 }
 
 }  // namespace forkguard::launch::detail

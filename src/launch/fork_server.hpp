@@ -6,7 +6,10 @@
 
 #include <sys/types.h>
 
+#include <chrono>
+#include <functional>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -30,14 +33,22 @@ class ForkServer {
   pid_t start_exec(const std::vector<std::string>& argv, const std::vector<std::string>& env,
                    int stdout_fd, int stderr_fd);
 
+  // Asks the zygote to fork a child running the zygote function `function` on `fd` (passed to
+  // the child; every other fd but stdio is closed there). The child _exits with its result.
+  pid_t start_call(const std::string& function, int fd, int stdout_fd = -1, int stderr_fd = -1);
+
   int fd() const { return sock_.get(); }
   pid_t pid() const { return pid_; }
-  // Exit reports received so far (PID, wait status); reads what is pending without blocking.
-  std::vector<std::pair<pid_t, int>> take_exits();
+  // Exit reports received so far (PID, wait status) for the PIDs `mine` claims; reads what is
+  // pending without blocking. Reports nobody has claimed yet stay queued.
+  std::vector<std::pair<pid_t, int>> take_exits(const std::function<bool(pid_t)>& mine);
+  // Waits up to `timeout` for the exit report of `pid`; its wait status, or nullopt.
+  std::optional<int> wait_exit(pid_t pid, std::chrono::milliseconds timeout);
 
  private:
   ForkServer(pid_t pid, int sock) : pid_(pid), sock_(sock) {}
-  pid_t request(const std::vector<std::string>& fields, int stdout_fd, int stderr_fd);
+  pid_t request(const std::vector<std::string>& fields, int stdout_fd, int stderr_fd,
+                int extra_fd = -1);
   bool read_one(bool block);  // one message: exit reports are queued, a reply is stored
 
   pid_t pid_;
@@ -48,8 +59,9 @@ class ForkServer {
   bool have_reply_ = false;
 };
 
-// Message framing, shared by both ends: fields as (u32 length, bytes) in one datagram.
-std::string encode(const std::vector<std::string>& fields);
-std::vector<std::string> decode(const char* data, size_t len);
+// A function the zygote can fork a child for: registered at static-initialization time (so the
+// zygote, a fork of the program, has it too), run with the fd sent with the request.
+using ZygoteFunction = int (*)(int fd);
+bool register_zygote_function(const char* name, ZygoteFunction fn);
 
 }  // namespace forkguard::launch::detail

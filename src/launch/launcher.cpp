@@ -375,7 +375,11 @@ class Attempt {
       int what;  // 0 exit, 1 stdout, 2 stderr, 3 signal, 4 server
     };
     auto server_exits = [&] {
-      for (auto [pid, status] : server->take_exits()) {
+      auto mine = [&](pid_t pid) {
+        return std::any_of(ranks_.begin(), ranks_.end(),
+                           [&](const Rank& rk) { return rk.via_server && rk.pid == pid; });
+      };
+      for (auto [pid, status] : server->take_exits(mine)) {
         for (auto& rk : ranks_) {
           if (rk.running && rk.via_server && rk.pid == pid) {
             on_exit(rk, ExitStatus::from_wait_status(status));

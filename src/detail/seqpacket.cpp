@@ -1,0 +1,91 @@
+#include "detail/seqpacket.hpp"
+
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+
+namespace forkguard::detail {
+
+std::string encode(const std::vector<std::string>& fields) {
+  size_t total = 0;
+  for (const auto& f : fields) total += sizeof(uint32_t) + f.size();
+  std::string out;
+  out.reserve(total);
+  for (const auto& f : fields) {
+    uint32_t len = static_cast<uint32_t>(f.size());
+    out.append(reinterpret_cast<const char*>(&len), sizeof len);
+    out += f;
+  }
+  return out;
+}
+
+std::vector<std::string> decode(const char* data, size_t len) {
+  std::vector<std::string> fields;
+  size_t pos = 0;
+  while (pos + sizeof(uint32_t) <= len) {
+    uint32_t n;
+    std::memcpy(&n, data + pos, sizeof n);
+    pos += sizeof n;
+    if (pos + n > len) break;
+    fields.emplace_back(data + pos, n);
+    pos += n;
+  }
+  return fields;
+}
+
+bool send_message(int sock, const std::vector<std::string>& fields, const int* fds, int nfds) {
+  std::string data = encode(fields);
+  iovec iov{data.data(), data.size()};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds)] = {};
+  nfds = std::min(nfds, kMaxFds);
+  if (nfds > 0) {
+    msg.msg_control = control;
+    msg.msg_controllen = CMSG_SPACE(sizeof(int) * static_cast<size_t>(nfds));
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int) * static_cast<size_t>(nfds));
+    std::memcpy(CMSG_DATA(c), fds, sizeof(int) * static_cast<size_t>(nfds));
+  }
+  ssize_t n;
+  do {
+    n = ::sendmsg(sock, &msg, MSG_NOSIGNAL);
+  } while (n < 0 && errno == EINTR);
+  return n == static_cast<ssize_t>(data.size());
+}
+
+bool recv_message(int sock, std::vector<std::string>& fields, int fds[kMaxFds], int flags) {
+  thread_local std::vector<char> buf(kMaxMessage);  // one per thread, not one per message
+  iovec iov{buf.data(), buf.size()};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds)] = {};
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  ssize_t n;
+  do {
+    n = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | flags);
+  } while (n < 0 && errno == EINTR);
+  for (int i = 0; i < kMaxFds; ++i) fds[i] = -1;
+  if (n <= 0) {
+    if (n == 0) errno = 0;
+    return false;
+  }
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+      size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      std::memcpy(fds, CMSG_DATA(c), sizeof(int) * std::min<size_t>(count, kMaxFds));
+    }
+  }
+  fields = decode(buf.data(), static_cast<size_t>(n));
+  return true;
+}
+
+}  // namespace forkguard::detail
