@@ -1,0 +1,517 @@
+// Process workers. Two ways to start one:
+// - from the fork server (the zygote init() forked while the program was clean): the child is
+//   CUDA-clean whatever this process did, and rebuilds the dataset and transform from their
+//   registered descriptions;
+// - by a guarded fork of this process (only while it is CUDA-clean): the child inherits the
+//   objects as they are.
+// Either way the child serves the same loop: slots arrive as memfds over SCM_RIGHTS, tasks as
+// small messages, and each finished batch is answered with a small "done" message.
+#include <fmt/format.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "data/workers.hpp"
+#include "detail/seqpacket.hpp"
+#include "forkguard/data/error.hpp"
+#include "forkguard/launch/exit_status.hpp"
+#include "forkguard/probe/cuda_state.hpp"
+#include "launch/fork_server.hpp"
+
+namespace forkguard::data::detail {
+namespace {
+
+using forkguard::detail::kMaxFds;
+using forkguard::detail::recv_message;
+using forkguard::detail::send_message;
+using forkguard::detail::UniqueFd;
+using launch::detail::ForkServer;
+
+constexpr const char* kZygoteFunction = "forkguard.data.worker";
+constexpr auto kExitGrace = std::chrono::seconds(2);
+
+std::string u64(uint64_t v) {
+  return std::to_string(v);
+}
+uint64_t to_u64(const std::string& s) {
+  return std::strtoull(s.c_str(), nullptr, 10);
+}
+
+std::string pack_indices(const std::vector<size_t>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(size_t));
+}
+std::vector<size_t> unpack_indices(const std::string& s) {
+  std::vector<size_t> v(s.size() / sizeof(size_t));
+  std::memcpy(v.data(), s.data(), v.size() * sizeof(size_t));
+  return v;
+}
+
+// ------------------------------------------------------------------ the worker's side
+// Runs the init hook and checks the worker is still CUDA-clean; the reason it must stop, if any.
+std::string prepare_worker(const WorkerSetup& setup, int id) {
+  if (setup.worker_init.empty()) {
+    if (auto state = cuda_state_if_unsafe()) {
+      return fmt::format("the worker started with CUDA state ({}): it was forked from a process "
+                         "that had initialized CUDA",
+                         *state);
+    }
+    return {};
+  }
+  try {
+    WorkerInit init = find_worker_init(setup.worker_init);
+    init(WorkerInfo{id, setup.workers,
+                    sample_key(setup.producer.seed, setup.epoch, static_cast<uint64_t>(id), 1),
+                    setup.epoch, WorkerKind::kProcess});
+  } catch (const std::exception& e) {
+    return fmt::format("its init hook \"{}\" threw: {}", setup.worker_init, e.what());
+  }
+  if (auto state = cuda_state_if_unsafe()) {
+    return fmt::format("its init hook \"{}\" initialized CUDA in the worker ({}). Workers must "
+                       "stay CPU-only: do GPU work in the main process",
+                       setup.worker_init, *state);
+  }
+  return {};
+}
+
+int serve(int sock, const Producer& producer) {
+  std::map<int, Mapping> slots;
+  auto idle_from = Clock::now();
+  while (true) {
+    std::vector<std::string> f;
+    int fds[kMaxFds];
+    if (!recv_message(sock, f, fds)) return 0;  // the loader closed our socket: stop
+    if (f.size() == 3 && f[0] == "slot" && fds[0] >= 0) {
+      slots.insert_or_assign(std::atoi(f[1].c_str()), Mapping(fds[0], to_u64(f[2])));
+      continue;
+    }
+    for (int fd : fds) {
+      if (fd >= 0) ::close(fd);
+    }
+    if (f.size() != 5 || f[0] != "task") continue;
+    uint64_t idle = static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - idle_from).count());
+    const int slot = std::atoi(f[3].c_str());
+    auto it = slots.find(slot);
+    TaskResult r;
+    if (it == slots.end()) {
+      r.kind = TaskResult::Kind::kData;
+      r.message = fmt::format("slot {} was never sent to this worker", slot);
+    } else {
+      try {
+        r = producer.run(to_u64(f[1]), unpack_indices(f[4]), it->second.data());
+      } catch (const std::exception& e) {
+        r.kind = TaskResult::Kind::kData;
+        r.message = e.what();
+      }
+    }
+    nlohmann::json skipped = nlohmann::json::array();
+    for (const auto& s : r.skipped) {
+      skipped.push_back({s.position, s.index, s.key, s.reason, s.substitute});
+    }
+    send_message(sock, {"done", f[2], f[3], std::to_string(static_cast<int>(r.kind)), r.message,
+                        u64(r.index), r.key, u64(r.read_ns), u64(r.transform_ns), u64(idle),
+                        skipped.dump()});
+    idle_from = Clock::now();
+    if (r.kind == TaskResult::Kind::kCuda) return 3;  // reported; a CUDA-tainted worker stops
+  }
+}
+
+// The zygote function: a fork of the fork server, with the loader's socket as `sock`.
+int worker_entry(int sock) {
+  std::vector<std::string> f;
+  int fds[kMaxFds];
+  if (!recv_message(sock, f, fds) || f.size() != 2 || f[0] != "setup") return 2;
+  std::unique_ptr<Dataset> dataset;
+  std::unique_ptr<Transform> transform;
+  WorkerSetup setup;
+  int id = 0;
+  try {
+    auto j = nlohmann::json::parse(f[1]);
+    dataset = make_dataset({j.at("dataset").at("type"), j.at("dataset").at("params")});
+    transform = make_transform({j.at("transform").at("type"), j.at("transform").at("params")});
+    setup.dataset = dataset.get();
+    setup.transform = transform.get();
+    setup.producer.seed = j.at("seed");
+    setup.producer.bad_sample = static_cast<BadSample>(j.at("bad_sample").get<int>());
+    setup.producer.max_substitutes = j.at("max_substitutes");
+    setup.producer.layout = SlotLayout::make(j.at("batch_size"), j.at("sample_bytes"),
+                                             j.at("key_bytes"));
+    setup.producer.check_cuda = true;
+    setup.workers = j.at("workers");
+    setup.epoch = j.at("epoch");
+    setup.worker_init = j.at("worker_init");
+    id = j.at("id");
+    if (transform->output().bytes() != setup.producer.layout.sample_bytes) {
+      throw DataError(fmt::format("the rebuilt transform \"{}\" makes {} bytes per sample, the "
+                                  "loader's makes {}",
+                                  transform->name(), transform->output().bytes(),
+                                  setup.producer.layout.sample_bytes));
+    }
+  } catch (const std::exception& e) {
+    send_message(sock, {"failed", fmt::format("cannot rebuild the pipeline: {}", e.what())});
+    return 2;
+  }
+  ::prctl(PR_SET_NAME, fmt::format("fg-worker-{}", id).c_str());
+  if (auto why = prepare_worker(setup, id); !why.empty()) {
+    send_message(sock, {"failed", why});
+    return 3;
+  }
+  send_message(sock, {"ready"});
+  return serve(sock, Producer(*setup.dataset, *setup.transform, setup.producer));
+}
+
+[[maybe_unused]] const bool g_registered =
+    launch::detail::register_zygote_function(kZygoteFunction, &worker_entry);
+
+// ------------------------------------------------------------------ the loader's side
+class ProcessWorkers : public Workers {
+ public:
+  ProcessWorkers(const WorkerSetup& setup, bool via_server) : setup_(setup), via_(via_server) {
+    procs_.resize(static_cast<size_t>(setup.workers));
+    try {
+      nlohmann::json base;
+      if (via_server) base = setup_json();
+      for (int w = 0; w < setup.workers; ++w) start(w, base);
+      std::string failures;
+      for (int w = 0; w < setup.workers; ++w) {
+        std::string why = await_ready(w);
+        if (!why.empty()) {
+          failures += (failures.empty() ? "" : "; ") +
+                      fmt::format("worker {} (PID {}): {}", w, procs_[static_cast<size_t>(w)].pid,
+                                  why);
+        }
+      }
+      if (!failures.empty()) {
+        throw WorkerError(fmt::format("process workers could not start: {}", failures), -1, -1,
+                          {});
+      }
+    } catch (...) {
+      stop();
+      throw;
+    }
+  }
+
+  ~ProcessWorkers() override { stop(); }
+
+  void submit(int worker, Task task) override {
+    auto& p = procs_[static_cast<size_t>(worker)];
+    if (!p.alive) return;  // its death is reported by wait()
+    if (p.has_slot.size() <= static_cast<size_t>(task.slot)) {
+      p.has_slot.resize(static_cast<size_t>(task.slot) + 1, false);
+    }
+    if (!p.has_slot[static_cast<size_t>(task.slot)]) {
+      Slot& s = setup_.pool->get(task.slot);
+      int fd = s.memory.fd();
+      send_message(p.sock.get(), {"slot", std::to_string(task.slot), u64(s.memory.size())}, &fd,
+                   1);
+      p.has_slot[static_cast<size_t>(task.slot)] = true;
+    }
+    send_message(p.sock.get(), {"task", u64(task.epoch), u64(task.batch),
+                                std::to_string(task.slot), pack_indices(task.indices)});
+  }
+
+  std::optional<WorkerEvent> wait(std::optional<Clock::time_point> deadline) override {
+    while (true) {
+      std::vector<pollfd> fds;
+      std::vector<int> who;
+      const size_t n = procs_.size();
+      for (size_t k = 0; k < n; ++k) {
+        size_t w = (next_ + k) % n;  // rotate, so that no worker starves the others
+        if (procs_[w].alive) {
+          fds.push_back({procs_[w].sock.get(), POLLIN, 0});
+          who.push_back(static_cast<int>(w));
+        }
+      }
+      if (fds.empty()) return std::nullopt;
+      int timeout = -1;
+      if (deadline) {
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - Clock::now());
+        timeout = static_cast<int>(std::max<long>(0, left.count()));
+      }
+      int r = ::poll(fds.data(), fds.size(), timeout);
+      if (r < 0 && errno == EINTR) continue;
+      if (r == 0) return std::nullopt;
+      for (size_t k = 0; k < fds.size(); ++k) {
+        if (fds[k].revents == 0) continue;
+        int w = who[k];
+        next_ = static_cast<size_t>(w) + 1;
+        std::vector<std::string> f;
+        int got[kMaxFds];
+        if (recv_message(fds[k].fd, f, got, MSG_DONTWAIT)) {
+          for (int fd : got) {
+            if (fd >= 0) ::close(fd);
+          }
+          if (auto e = parse_done(w, f)) return e;
+          continue;
+        }
+        if (errno == EAGAIN) continue;
+        return died(w);
+      }
+    }
+  }
+
+  void stop() override {
+    for (auto& p : procs_) {
+      if (p.alive) p.sock.reset();  // EOF: the worker finishes its task and exits
+    }
+    for (auto& p : procs_) {
+      if (p.alive) {
+        p.alive = false;
+        if (!collect(p, kExitGrace)) {
+          kill(p);
+          collect(p, std::chrono::seconds(30));
+        }
+      }
+      p.sock.reset();
+    }
+  }
+
+  pid_t pid(int worker) const override { return procs_[static_cast<size_t>(worker)].pid; }
+  std::vector<pid_t> pids() const override {
+    std::vector<pid_t> out;
+    for (const auto& p : procs_) {
+      if (p.alive) out.push_back(p.pid);
+    }
+    return out;
+  }
+
+ private:
+  struct Proc {
+    pid_t pid = -1;
+    UniqueFd sock;
+    UniqueFd pidfd;
+    bool alive = false;
+    std::vector<bool> has_slot;
+    int status = 0;  // wait status, once collected
+    bool collected = false;
+  };
+
+  nlohmann::json setup_json() const {
+    auto d = setup_.dataset->describe();
+    auto t = setup_.transform->describe();
+    const auto& l = setup_.producer.layout;
+    return {{"dataset", {{"type", d->type}, {"params", d->params}}},
+            {"transform", {{"type", t->type}, {"params", t->params}}},
+            {"seed", setup_.producer.seed},
+            {"bad_sample", static_cast<int>(setup_.producer.bad_sample)},
+            {"max_substitutes", setup_.producer.max_substitutes},
+            {"batch_size", l.batch_size},
+            {"sample_bytes", l.sample_bytes},
+            {"key_bytes", l.key_bytes},
+            {"workers", setup_.workers},
+            {"epoch", setup_.epoch},
+            {"worker_init", setup_.worker_init}};
+  }
+
+  void start(int w, nlohmann::json setup) {
+    int sv[2];
+    if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) {
+      throw SystemError("socketpair for a process worker", errno);
+    }
+    UniqueFd mine(sv[0]);
+    UniqueFd theirs(sv[1]);
+    auto& p = procs_[static_cast<size_t>(w)];
+    if (via_) {
+      p.pid = ForkServer::get()->start_call(kZygoteFunction, theirs.get());
+      theirs.reset();
+      setup["id"] = w;
+      send_message(mine.get(), {"setup", setup.dump()});
+    } else {
+      p.pid = guarded_fork(w, theirs.get(), mine.get());
+      theirs.reset();
+    }
+    p.sock = std::move(mine);
+    p.alive = true;
+    // A pidfd names this process even after its PID is reused: every signal goes through it.
+    p.pidfd.reset(static_cast<int>(::syscall(SYS_pidfd_open, p.pid, 0)));
+  }
+
+  pid_t guarded_fork(int w, int child_sock, int parent_sock) {
+    // Collected before fork(): the loader-side sockets of the workers started so far, which the
+    // child must not keep open (their workers would never see EOF).
+    std::vector<int> close_in_child{parent_sock};
+    for (const auto& p : procs_) {
+      if (p.sock) close_in_child.push_back(p.sock.get());
+    }
+    Producer producer(*setup_.dataset, *setup_.transform, setup_.producer);
+    const pid_t parent = ::getpid();
+    std::fflush(nullptr);
+    pid_t pid = ::fork();
+    if (pid < 0) throw SystemError(fmt::format("fork for process worker {}", w), errno);
+    if (pid == 0) {
+      // The worker's entry point. Its own process group: a terminal's Ctrl-C stops the loader,
+      // which then stops its workers.
+      ::setpgid(0, 0);
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) ::_exit(1);
+      for (int fd : close_in_child) ::close(fd);
+      for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGPIPE, SIGCHLD}) ::signal(sig, SIG_DFL);
+      sigset_t none;
+      sigemptyset(&none);
+      ::sigprocmask(SIG_SETMASK, &none, nullptr);
+      ::prctl(PR_SET_NAME, fmt::format("fg-worker-{}", w).c_str());
+      std::string why = prepare_worker(setup_, w);
+      if (!why.empty()) {
+        send_message(child_sock, {"failed", why});
+        ::_exit(3);
+      }
+      send_message(child_sock, {"ready"});
+      ::_exit(serve(child_sock, producer));
+    }
+    return pid;
+  }
+
+  std::string await_ready(int w) {
+    auto& p = procs_[static_cast<size_t>(w)];
+    std::vector<std::string> f;
+    int fds[kMaxFds];
+    if (!recv_message(p.sock.get(), f, fds)) {
+      p.alive = false;
+      collect(p, kExitGrace);
+      return fmt::format("it {} before it was ready", how(p));
+    }
+    if (f.size() == 1 && f[0] == "ready") return {};
+    return f.size() == 2 && f[0] == "failed" ? f[1] : std::string("bad reply");
+  }
+
+  std::optional<WorkerEvent> parse_done(int w, const std::vector<std::string>& f) {
+    if (f.size() != 11 || f[0] != "done") return std::nullopt;
+    WorkerEvent e;
+    e.kind = WorkerEvent::Kind::kDone;
+    e.worker = w;
+    e.batch = to_u64(f[1]);
+    e.slot = std::atoi(f[2].c_str());
+    e.result.kind = static_cast<TaskResult::Kind>(std::atoi(f[3].c_str()));
+    e.result.message = f[4];
+    e.result.index = to_u64(f[5]);
+    e.result.key = f[6];
+    e.result.read_ns = to_u64(f[7]);
+    e.result.transform_ns = to_u64(f[8]);
+    e.idle_ns = to_u64(f[9]);
+    for (const auto& s : nlohmann::json::parse(f[10])) {
+      e.result.skipped.push_back({s[0], s[1], s[2], s[3], s[4]});
+    }
+    return e;
+  }
+
+  WorkerEvent died(int w) {
+    auto& p = procs_[static_cast<size_t>(w)];
+    p.alive = false;
+    p.sock.reset();
+    if (!collect(p, kExitGrace)) {  // it closed its socket yet lives on: make sure it is gone
+      kill(p);
+      collect(p, std::chrono::seconds(30));
+    }
+    WorkerEvent e;
+    e.kind = WorkerEvent::Kind::kDied;
+    e.worker = w;
+    e.how = how(p);
+    return e;
+  }
+
+  std::string how(const Proc& p) const {
+    if (!p.collected) return "stopped (exit status unknown)";
+    return launch::ExitStatus::from_wait_status(p.status).to_string();
+  }
+
+  void kill(Proc& p) {
+    if (p.pidfd) {
+      ::syscall(SYS_pidfd_send_signal, p.pidfd.get(), SIGKILL, nullptr, 0);
+    }
+  }
+
+  // Waits for the worker's exit status: from the fork server, or by reaping our own child.
+  bool collect(Proc& p, std::chrono::milliseconds timeout) {
+    if (p.collected || p.pid <= 0) return true;
+    if (via_) {
+      if (auto status = ForkServer::get()->wait_exit(p.pid, timeout)) {
+        p.status = *status;
+        p.collected = true;
+      }
+      return p.collected;
+    }
+    if (p.pidfd) {
+      pollfd q{p.pidfd.get(), POLLIN, 0};
+      int r;
+      do {
+        r = ::poll(&q, 1, static_cast<int>(timeout.count()));
+      } while (r < 0 && errno == EINTR);
+      if (r == 0) return false;
+    }
+    int status = 0;
+    pid_t r;
+    do {
+      r = ::waitpid(p.pid, &status, 0);
+    } while (r < 0 && errno == EINTR);
+    if (r == p.pid) {
+      p.status = status;
+      p.collected = true;
+    }
+    return true;
+  }
+
+  WorkerSetup setup_;
+  bool via_;
+  std::vector<Proc> procs_;
+  size_t next_ = 0;
+};
+
+std::string verdict_of_this_process() {
+  auto state = probe::self_if_fork_unsafe();
+  if (!state) return {};
+  std::string evidence;
+  for (const auto& e : state->evidence) {
+    if (e.kind != probe::EvidenceKind::kEnvironment) evidence += "; " + e.detail;
+  }
+  return fmt::format("{}{}", probe::to_string(state->verdict), evidence);
+}
+
+}  // namespace
+
+std::unique_ptr<Workers> start_process_workers(const WorkerSetup& setup, ProcessStart start) {
+  const bool server = ForkServer::get() != nullptr;
+  const bool describable = setup.dataset->describe().has_value() &&
+                           setup.transform->describe().has_value();
+  bool via_server = false;
+  switch (start) {
+    case ProcessStart::kForkServer:
+      if (!server) {
+        throw DataError(
+            "process workers from the fork server: there is none; call forkguard::init(argc, "
+            "argv) first in main()");
+      }
+      if (!describable) {
+        throw DataError(
+            "process workers from the fork server rebuild the dataset and transform from "
+            "describe(); this dataset or transform returns nullopt (register a factory and "
+            "describe() it, or use ProcessStart::kFork while the process is CUDA-clean)");
+      }
+      via_server = true;
+      break;
+    case ProcessStart::kAuto: via_server = server && describable; break;
+    case ProcessStart::kFork: break;
+  }
+  if (!via_server) {
+    if (auto dirty = verdict_of_this_process(); !dirty.empty()) {
+      throw DataError(fmt::format(
+          "refusing to fork process workers: this process (PID {}) holds CUDA state ({}), and "
+          "forked workers would fail at their first CUDA call. Start them from the fork server "
+          "(call forkguard::init() first in main() and give the dataset and transform a "
+          "describe()), or use thread workers",
+          ::getpid(), dirty));
+    }
+  }
+  return std::make_unique<ProcessWorkers>(setup, via_server);
+}
+
+}  // namespace forkguard::data::detail

@@ -1,0 +1,65 @@
+// The worker side of the loader: fills one batch into its slot. Shared by every worker kind (the
+// consumer's thread, worker threads, process workers), so the bytes cannot depend on the kind.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "data/slot.hpp"
+#include "forkguard/data/batch.hpp"
+#include "forkguard/data/dataset.hpp"
+#include "forkguard/data/loader.hpp"
+#include "forkguard/data/transform.hpp"
+
+namespace forkguard::data::detail {
+
+struct ProducerConfig {
+  uint64_t seed = 0;
+  BadSample bad_sample = BadSample::kError;
+  size_t max_substitutes = 16;
+  SlotLayout layout{};
+  bool check_cuda = false;  // process workers: stop when this process gains CUDA state
+};
+
+struct TaskResult {
+  enum class Kind { kOk, kData, kCuda };
+  Kind kind = Kind::kOk;
+  std::string message;  // kData / kCuda: what failed, naming the sample
+  size_t index = 0;     // the failing sample
+  std::string key;
+  std::vector<SkippedSample> skipped;
+  uint64_t read_ns = 0;
+  uint64_t transform_ns = 0;
+};
+
+// Thrown inside the producer when a stage left CUDA state in a process worker: never taken as a
+// bad sample.
+struct CudaFound {
+  std::string message;
+};
+
+// nullopt when this process holds no fork-unsafe CUDA state; else a description of the state.
+// Cheap (no /proc read) while no library has been loaded since the last clean answer.
+std::optional<std::string> cuda_state_if_unsafe();
+
+class Producer {
+ public:
+  Producer(const Dataset& dataset, const Transform& transform, ProducerConfig config)
+      : dataset_(dataset), transform_(transform), config_(config) {}
+
+  TaskResult run(uint64_t epoch, const std::vector<size_t>& indices, std::byte* slot) const;
+  const ProducerConfig& config() const { return config_; }
+
+ private:
+  // One sample into its place; throws on a bad sample.
+  void one(uint64_t epoch, size_t index, size_t pos, std::byte* slot, TaskResult& r) const;
+  void check_cuda(const char* stage_kind, size_t index) const;
+
+  const Dataset& dataset_;
+  const Transform& transform_;
+  ProducerConfig config_;
+};
+
+}  // namespace forkguard::data::detail
