@@ -48,23 +48,47 @@ const detail::BatchStorage& Batch::s() const {
   return *s_;
 }
 
-size_t Batch::size() const { return s().count; }
-size_t Batch::number() const { return s().number; }
-uint64_t Batch::epoch() const { return s().epoch; }
-const std::vector<size_t>& Batch::indices() const { return s().indices; }
-const std::vector<SkippedSample>& Batch::skipped() const { return s().skipped; }
-const OutputSpec& Batch::spec() const { return s().spec; }
-Placement Batch::placement() const { return s().device ? Placement::kDevice : Placement::kHost; }
-int Batch::device() const { return s().device ? s().device->ordinal() : -1; }
-uintptr_t Batch::stream() const { return s().device ? s().device->stream() : 0; }
+size_t Batch::size() const {
+  return s().count;
+}
+size_t Batch::number() const {
+  return s().number;
+}
+uint64_t Batch::epoch() const {
+  return s().epoch;
+}
+const std::vector<size_t>& Batch::indices() const {
+  return s().indices;
+}
+const std::vector<SkippedSample>& Batch::skipped() const {
+  return s().skipped;
+}
+const OutputSpec& Batch::spec() const {
+  return s().spec;
+}
+Placement Batch::placement() const {
+  return s().device ? Placement::kDevice : Placement::kHost;
+}
+int Batch::device() const {
+  return s().device ? s().device->ordinal() : -1;
+}
+uintptr_t Batch::stream() const {
+  return s().device ? s().device->stream() : 0;
+}
 
 void Batch::synchronize() const {
   if (s().device) s().device->wait(s().buffer);
 }
 
-void* Batch::images_data() const { return s().images; }
-size_t Batch::images_bytes() const { return s().count * s().layout.sample_bytes; }
-const int64_t* Batch::labels() const { return s().labels; }
+void* Batch::images_data() const {
+  return s().images;
+}
+size_t Batch::images_bytes() const {
+  return s().count * s().layout.sample_bytes;
+}
+const int64_t* Batch::labels() const {
+  return s().labels;
+}
 
 std::string_view Batch::key(size_t i) const {
   const auto& st = s();

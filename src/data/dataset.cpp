@@ -42,9 +42,10 @@ std::unique_ptr<Dataset> make_dataset(const Description& d) {
     for (const auto& [name, f] : r.factories) known += (known.empty() ? "" : ", ") + name;
   }
   if (!factory) {
-    throw DataError(fmt::format("no dataset type \"{}\" is registered (known: {}); register it "
-                                "with FORKGUARD_REGISTER_DATASET",
-                                d.type, known.empty() ? "none" : known));
+    throw DataError(
+        fmt::format("no dataset type \"{}\" is registered (known: {}); register it "
+                    "with FORKGUARD_REGISTER_DATASET",
+                    d.type, known.empty() ? "none" : known));
   }
   return factory(d.params);
 }

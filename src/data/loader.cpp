@@ -61,9 +61,10 @@ WorkerInit find_worker_init(const std::string& name) {
   std::lock_guard lock(r.mutex);
   auto it = r.hooks.find(name);
   if (it == r.hooks.end()) {
-    throw DataError(fmt::format("no worker init hook named \"{}\" is registered (see "
-                                "forkguard::data::register_worker_init)",
-                                name));
+    throw DataError(
+        fmt::format("no worker init hook named \"{}\" is registered (see "
+                    "forkguard::data::register_worker_init)",
+                    name));
   }
   return it->second;
 }
@@ -79,14 +80,15 @@ class LoaderImpl {
     if (o_.key_bytes == 0) throw DataError("Loader: key_bytes must be at least 1");
     spec_ = tf_->output();
     if (spec_.bytes() == 0) {
-      throw DataError(fmt::format("Loader: transform \"{}\" declares an empty output", tf_->name()));
+      throw DataError(
+          fmt::format("Loader: transform \"{}\" declares an empty output", tf_->name()));
     }
     if (!o_.worker_init.empty()) find_worker_init(o_.worker_init);  // fail early on a typo
     layout_ = SlotLayout::make(o_.batch_size, spec_.bytes(), o_.key_bytes);
     pool_ = std::make_shared<SlotPool>(layout_);
     if (o_.device.enabled) {
-      device_ = std::make_shared<DeviceStage>(o_.device.ordinal, std::max<size_t>(1, o_.device.buffers),
-                                              layout_);
+      device_ = std::make_shared<DeviceStage>(o_.device.ordinal,
+                                              std::max<size_t>(1, o_.device.buffers), layout_);
       pool_->set_on_destroy([dev = device_](Slot& s) { dev->unpin(s); });
     }
     if (o_.sampler) {
@@ -100,7 +102,8 @@ class LoaderImpl {
       sampler_ = std::make_shared<SequentialSampler>(ds_->size());
     }
     size_ = make_batches(sampler_->indices(0), o_.batch_size, o_.drop_last).size();
-    if (!o_.log) o_.log = [](const std::string& m) { std::fprintf(stderr, "forkguard: %s\n", m.c_str()); };
+    if (!o_.log)
+      o_.log = [](const std::string& m) { std::fprintf(stderr, "forkguard: %s\n", m.c_str()); };
     producer_config_ = ProducerConfig{o_.seed, o_.bad_sample, o_.max_substitutes, layout_,
                                       o_.worker_kind == WorkerKind::kProcess && o_.workers > 0};
   }
@@ -164,7 +167,9 @@ class LoaderImpl {
     s.slot_bytes = layout_.total;
     return s;
   }
-  std::vector<pid_t> worker_pids() const { return workers_ ? workers_->pids() : std::vector<pid_t>{}; }
+  std::vector<pid_t> worker_pids() const {
+    return workers_ ? workers_->pids() : std::vector<pid_t>{};
+  }
 
  private:
   struct Pending {
@@ -174,7 +179,7 @@ class LoaderImpl {
     int slot = -1;
     int buffer = -1;
     TaskResult result;
-    std::string death;  // the worker died holding it
+    std::string death;            // the worker died holding it
     std::vector<int64_t> labels;  // device batches: host copies taken before the slot recycles
     std::vector<char> keys;
   };
@@ -205,8 +210,8 @@ class LoaderImpl {
   }
 
   void start_workers() {
-    WorkerSetup setup{ds_.get(), tf_.get(), producer_config_, workers(), epoch_, o_.worker_init,
-                      pool_};
+    WorkerSetup setup{ds_.get(),      tf_.get(), producer_config_, workers(), epoch_,
+                      o_.worker_init, pool_};
     workers_ = o_.worker_kind == WorkerKind::kThread
                    ? start_thread_workers(setup)
                    : start_process_workers(setup, o_.process_start);
@@ -215,9 +220,9 @@ class LoaderImpl {
     started_once_ = true;
   }
 
-  void stop_workers() {
+  void stop_workers(bool now = false) {
     if (!workers_) return;
-    workers_->stop();
+    workers_->stop(now);
     workers_.reset();
   }
 
@@ -259,8 +264,8 @@ class LoaderImpl {
     Pending p;
     p.slot = slot.id;
     p.result = producer.run(epoch_, batches_[b], slot.memory.data());
-    p.state = p.result.kind == TaskResult::Kind::kOk ? Pending::State::kDone
-                                                      : Pending::State::kFailed;
+    p.state =
+        p.result.kind == TaskResult::Kind::kOk ? Pending::State::kDone : Pending::State::kFailed;
     stats_.read_seconds += seconds(p.result.read_ns);
     stats_.transform_seconds += seconds(p.result.transform_ns);
     ++in_flight_[0];
@@ -287,8 +292,8 @@ class LoaderImpl {
       if (it == pending_.end()) return;  // a batch of an abandoned epoch
       auto& p = it->second;
       p.result = std::move(ev.result);
-      p.state = p.result.kind == TaskResult::Kind::kOk ? Pending::State::kDone
-                                                        : Pending::State::kFailed;
+      p.state =
+          p.result.kind == TaskResult::Kind::kOk ? Pending::State::kDone : Pending::State::kFailed;
       stats_.read_seconds += seconds(p.result.read_ns);
       stats_.transform_seconds += seconds(p.result.transform_ns);
       stats_.slot_wait_seconds += seconds(ev.idle_ns);
@@ -307,11 +312,10 @@ class LoaderImpl {
                           ? fmt::format("worker {} (a thread)", ev.worker)
                           : fmt::format("worker {} (PID {})", ev.worker, pid);
     std::string death =
-        held.empty()
-            ? fmt::format("{} {}", who, ev.how)
-            : fmt::format("{} {} while holding batch{} {} of epoch {} (samples {})", who, ev.how,
-                          held_batches.size() > 1 ? "es" : "", format_indices(held_batches),
-                          epoch_, format_indices(held));
+        held.empty() ? fmt::format("{} {}", who, ev.how)
+                     : fmt::format("{} {} while holding batch{} {} of epoch {} (samples {})", who,
+                                   ev.how, held_batches.size() > 1 ? "es" : "",
+                                   format_indices(held_batches), epoch_, format_indices(held));
     dead_[static_cast<size_t>(ev.worker)] = death;
     for (auto& [b, p] : pending_) {
       if (p.worker == ev.worker && p.state == Pending::State::kIssued) {
@@ -348,8 +352,9 @@ class LoaderImpl {
     const std::byte* base = slot.memory.data();
     p.labels.resize(n);
     std::memcpy(p.labels.data(), base + layout_.labels_offset, n * sizeof(int64_t));
-    p.keys.assign(reinterpret_cast<const char*>(base + layout_.keys_offset),
-                  reinterpret_cast<const char*>(base + layout_.keys_offset) + n * layout_.key_bytes);
+    p.keys.assign(
+        reinterpret_cast<const char*>(base + layout_.keys_offset),
+        reinterpret_cast<const char*>(base + layout_.keys_offset) + n * layout_.key_bytes);
     copying_.push_back({p.slot, buffer, p.worker});
     p.buffer = buffer;
     p.state = Pending::State::kCopying;
@@ -416,9 +421,10 @@ class LoaderImpl {
     for (const auto& s : st->skipped) {
       ++stats_.skipped;
       if (logged_skips_.insert(s.index).second) {
-        o_.log(fmt::format("skipped sample {} ({}) in batch {} of epoch {}: {}; sample {} takes "
-                           "its place",
-                           s.index, s.key, b, epoch_, s.reason, s.substitute));
+        o_.log(
+            fmt::format("skipped sample {} ({}) in batch {} of epoch {}: {}; sample {} takes "
+                        "its place",
+                        s.index, s.key, b, epoch_, s.reason, s.substitute));
       }
     }
     if (device_) {
@@ -476,7 +482,7 @@ class LoaderImpl {
         if (died) stop = true;
       }
     }
-    if (stop) stop_workers();
+    if (stop) stop_workers(true);
     for (auto& [b, p] : pending_) {
       if (p.state == Pending::State::kCopying) {
         device_->release(p.buffer);  // its slot is in copying_, reclaimed when the copy is done
@@ -522,13 +528,29 @@ Loader::Loader(std::shared_ptr<const Dataset> dataset, std::shared_ptr<const Tra
     : impl_(std::make_unique<detail::LoaderImpl>(std::move(dataset), std::move(transform),
                                                  std::move(options))) {}
 Loader::~Loader() = default;
-std::optional<Batch> Loader::next() { return impl_->next(); }
-void Loader::set_epoch(uint64_t epoch) { impl_->set_epoch(epoch); }
-uint64_t Loader::epoch() const { return impl_->epoch(); }
-size_t Loader::size() const { return impl_->size(); }
-size_t Loader::dataset_size() const { return impl_->dataset_size(); }
-const OutputSpec& Loader::output_spec() const { return impl_->output_spec(); }
-LoaderStats Loader::stats() const { return impl_->stats(); }
-std::vector<pid_t> Loader::worker_pids() const { return impl_->worker_pids(); }
+std::optional<Batch> Loader::next() {
+  return impl_->next();
+}
+void Loader::set_epoch(uint64_t epoch) {
+  impl_->set_epoch(epoch);
+}
+uint64_t Loader::epoch() const {
+  return impl_->epoch();
+}
+size_t Loader::size() const {
+  return impl_->size();
+}
+size_t Loader::dataset_size() const {
+  return impl_->dataset_size();
+}
+const OutputSpec& Loader::output_spec() const {
+  return impl_->output_spec();
+}
+LoaderStats Loader::stats() const {
+  return impl_->stats();
+}
+std::vector<pid_t> Loader::worker_pids() const {
+  return impl_->worker_pids();
+}
 
 }  // namespace forkguard::data

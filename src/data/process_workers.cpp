@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <map>
@@ -61,9 +62,10 @@ std::vector<size_t> unpack_indices(const std::string& s) {
 std::string prepare_worker(const WorkerSetup& setup, int id) {
   if (setup.worker_init.empty()) {
     if (auto state = cuda_state_if_unsafe()) {
-      return fmt::format("the worker started with CUDA state ({}): it was forked from a process "
-                         "that had initialized CUDA",
-                         *state);
+      return fmt::format(
+          "the worker started with CUDA state ({}): it was forked from a process "
+          "that had initialized CUDA",
+          *state);
     }
     return {};
   }
@@ -76,9 +78,10 @@ std::string prepare_worker(const WorkerSetup& setup, int id) {
     return fmt::format("its init hook \"{}\" threw: {}", setup.worker_init, e.what());
   }
   if (auto state = cuda_state_if_unsafe()) {
-    return fmt::format("its init hook \"{}\" initialized CUDA in the worker ({}). Workers must "
-                       "stay CPU-only: do GPU work in the main process",
-                       setup.worker_init, *state);
+    return fmt::format(
+        "its init hook \"{}\" initialized CUDA in the worker ({}). Workers must "
+        "stay CPU-only: do GPU work in the main process",
+        setup.worker_init, *state);
   }
   return {};
 }
@@ -118,9 +121,15 @@ int serve(int sock, const Producer& producer) {
     for (const auto& s : r.skipped) {
       skipped.push_back({s.position, s.index, s.key, s.reason, s.substitute});
     }
-    send_message(sock, {"done", f[2], f[3], std::to_string(static_cast<int>(r.kind)), r.message,
-                        u64(r.index), r.key, u64(r.read_ns), u64(r.transform_ns), u64(idle),
-                        skipped.dump()});
+    if (!send_message(sock, {"done", f[2], f[3], std::to_string(static_cast<int>(r.kind)),
+                             r.message, u64(r.index), r.key, u64(r.read_ns), u64(r.transform_ns),
+                             u64(idle), skipped.dump()})) {
+      // The loader is gone (EPIPE: stop quietly) or the report could not be sent.
+      if (errno == EPIPE || errno == ECONNRESET) return 0;
+      std::fprintf(stderr, "forkguard: process worker %d cannot report batch %s: %s\n",
+                   static_cast<int>(::getpid()), f[2].c_str(), std::strerror(errno));
+      return 4;
+    }
     idle_from = Clock::now();
     if (r.kind == TaskResult::Kind::kCuda) return 3;  // reported; a CUDA-tainted worker stops
   }
@@ -144,18 +153,18 @@ int worker_entry(int sock) {
     setup.producer.seed = j.at("seed");
     setup.producer.bad_sample = static_cast<BadSample>(j.at("bad_sample").get<int>());
     setup.producer.max_substitutes = j.at("max_substitutes");
-    setup.producer.layout = SlotLayout::make(j.at("batch_size"), j.at("sample_bytes"),
-                                             j.at("key_bytes"));
+    setup.producer.layout =
+        SlotLayout::make(j.at("batch_size"), j.at("sample_bytes"), j.at("key_bytes"));
     setup.producer.check_cuda = true;
     setup.workers = j.at("workers");
     setup.epoch = j.at("epoch");
     setup.worker_init = j.at("worker_init");
     id = j.at("id");
     if (transform->output().bytes() != setup.producer.layout.sample_bytes) {
-      throw DataError(fmt::format("the rebuilt transform \"{}\" makes {} bytes per sample, the "
-                                  "loader's makes {}",
-                                  transform->name(), transform->output().bytes(),
-                                  setup.producer.layout.sample_bytes));
+      throw DataError(fmt::format(
+          "the rebuilt transform \"{}\" makes {} bytes per sample, the "
+          "loader's makes {}",
+          transform->name(), transform->output().bytes(), setup.producer.layout.sample_bytes));
     }
   } catch (const std::exception& e) {
     send_message(sock, {"failed", fmt::format("cannot rebuild the pipeline: {}", e.what())});
@@ -186,17 +195,16 @@ class ProcessWorkers : public Workers {
       for (int w = 0; w < setup.workers; ++w) {
         std::string why = await_ready(w);
         if (!why.empty()) {
-          failures += (failures.empty() ? "" : "; ") +
-                      fmt::format("worker {} (PID {}): {}", w, procs_[static_cast<size_t>(w)].pid,
-                                  why);
+          failures +=
+              (failures.empty() ? "" : "; ") +
+              fmt::format("worker {} (PID {}): {}", w, procs_[static_cast<size_t>(w)].pid, why);
         }
       }
       if (!failures.empty()) {
-        throw WorkerError(fmt::format("process workers could not start: {}", failures), -1, -1,
-                          {});
+        throw WorkerError(fmt::format("process workers could not start: {}", failures), -1, -1, {});
       }
     } catch (...) {
-      stop();
+      stop(true);
       throw;
     }
   }
@@ -212,12 +220,11 @@ class ProcessWorkers : public Workers {
     if (!p.has_slot[static_cast<size_t>(task.slot)]) {
       Slot& s = setup_.pool->get(task.slot);
       int fd = s.memory.fd();
-      send_message(p.sock.get(), {"slot", std::to_string(task.slot), u64(s.memory.size())}, &fd,
-                   1);
+      send_message(p.sock.get(), {"slot", std::to_string(task.slot), u64(s.memory.size())}, &fd, 1);
       p.has_slot[static_cast<size_t>(task.slot)] = true;
     }
-    send_message(p.sock.get(), {"task", u64(task.epoch), u64(task.batch),
-                                std::to_string(task.slot), pack_indices(task.indices)});
+    send_message(p.sock.get(), {"task", u64(task.epoch), u64(task.batch), std::to_string(task.slot),
+                                pack_indices(task.indices)});
   }
 
   std::optional<WorkerEvent> wait(std::optional<Clock::time_point> deadline) override {
@@ -260,9 +267,11 @@ class ProcessWorkers : public Workers {
     }
   }
 
-  void stop() override {
+  void stop(bool now = false) override {
     for (auto& p : procs_) {
-      if (p.alive) p.sock.reset();  // EOF: the worker finishes its task and exits
+      if (!p.alive) continue;
+      p.sock.reset();  // EOF: the worker finishes its task and exits
+      if (now) kill(p);
     }
     for (auto& p : procs_) {
       if (p.alive) {
@@ -480,8 +489,8 @@ std::string verdict_of_this_process() {
 
 std::unique_ptr<Workers> start_process_workers(const WorkerSetup& setup, ProcessStart start) {
   const bool server = ForkServer::get() != nullptr;
-  const bool describable = setup.dataset->describe().has_value() &&
-                           setup.transform->describe().has_value();
+  const bool describable =
+      setup.dataset->describe().has_value() && setup.transform->describe().has_value();
   bool via_server = false;
   switch (start) {
     case ProcessStart::kForkServer:

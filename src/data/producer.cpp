@@ -74,17 +74,17 @@ void Producer::check_cuda(const char* stage_kind, size_t index) const {
       stage, index, dataset_.key(index), *state)};
 }
 
-void Producer::one(uint64_t epoch, size_t index, size_t pos, std::byte* slot,
-                   TaskResult& r) const {
+void Producer::one(uint64_t epoch, size_t index, size_t pos, std::byte* slot, TaskResult& r) const {
   const auto& l = config_.layout;
   auto t0 = Clock::now();
   Sample sample = dataset_.read(index);
   r.read_ns += ns_since(t0);
   check_cuda("read", index);
   if (sample.key.size() > l.key_bytes) {
-    throw DataError(fmt::format("its key is {} bytes long, more than LoaderOptions::key_bytes "
-                                "({})",
-                                sample.key.size(), l.key_bytes));
+    throw DataError(
+        fmt::format("its key is {} bytes long, more than LoaderOptions::key_bytes "
+                    "({})",
+                    sample.key.size(), l.key_bytes));
   }
   Rng rng(config_.seed, epoch, index);
   auto t1 = Clock::now();

@@ -48,8 +48,8 @@ DistributedSampler::DistributedSampler(size_t size, DistributedOptions o) : size
   if (o_.world_size < 0) o_.world_size = env_int("WORLD_SIZE", 1);
   if (o_.rank < 0) o_.rank = env_int("RANK", 0);
   if (o_.world_size < 1 || o_.rank >= o_.world_size) {
-    throw DataError(fmt::format("distributed sampler: rank {} is not within world size {}",
-                                o_.rank, o_.world_size));
+    throw DataError(fmt::format("distributed sampler: rank {} is not within world size {}", o_.rank,
+                                o_.world_size));
   }
 }
 
@@ -76,14 +76,15 @@ std::vector<size_t> DistributedSampler::indices(uint64_t epoch) const {
   return out;
 }
 
-std::vector<std::vector<size_t>> make_batches(const std::vector<size_t>& indices,
-                                              size_t batch_size, bool drop_last) {
+std::vector<std::vector<size_t>> make_batches(const std::vector<size_t>& indices, size_t batch_size,
+                                              bool drop_last) {
   if (batch_size == 0) throw DataError("batch size must be at least 1");
   std::vector<std::vector<size_t>> out;
   for (size_t i = 0; i < indices.size(); i += batch_size) {
     size_t end = std::min(indices.size(), i + batch_size);
     if (end - i < batch_size && drop_last) break;
-    out.emplace_back(indices.begin() + static_cast<long>(i), indices.begin() + static_cast<long>(end));
+    out.emplace_back(indices.begin() + static_cast<long>(i),
+                     indices.begin() + static_cast<long>(end));
   }
   return out;
 }

@@ -48,7 +48,7 @@ class ThreadWorkers : public Workers {
     return e;
   }
 
-  void stop() override {
+  void stop(bool = false) override {  // a thread cannot be killed: it finishes its task
     for (auto& q : queues_) {
       {
         std::lock_guard lock(q->mutex);
@@ -84,11 +84,16 @@ class ThreadWorkers : public Workers {
   void run(int w, WorkerInit init) {
     if (init != nullptr) {
       try {
-        init(WorkerInfo{w, setup_.workers, sample_key(setup_.producer.seed, setup_.epoch,
-                                                      static_cast<uint64_t>(w), 1),
+        init(WorkerInfo{w, setup_.workers,
+                        sample_key(setup_.producer.seed, setup_.epoch, static_cast<uint64_t>(w), 1),
                         setup_.epoch, WorkerKind::kThread});
       } catch (const std::exception& e) {
-        post({WorkerEvent::Kind::kDied, w, 0, 0, {}, 0,
+        post({WorkerEvent::Kind::kDied,
+              w,
+              0,
+              0,
+              {},
+              0,
               fmt::format("its init hook \"{}\" threw: {}", setup_.worker_init, e.what())});
         return;
       }

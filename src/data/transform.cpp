@@ -88,17 +88,18 @@ std::unique_ptr<Transform> make_transform(const Description& d) {
     for (const auto& [name, f] : r.factories) known += (known.empty() ? "" : ", ") + name;
   }
   if (!factory) {
-    throw DataError(fmt::format("no transform type \"{}\" is registered (known: {}); register "
-                                "it with FORKGUARD_REGISTER_TRANSFORM",
-                                d.type, known.empty() ? "none" : known));
+    throw DataError(
+        fmt::format("no transform type \"{}\" is registered (known: {}); register "
+                    "it with FORKGUARD_REGISTER_TRANSFORM",
+                    d.type, known.empty() ? "none" : known));
   }
   return factory(d.params);
 }
 
 void CopyTransform::apply(const Sample& in, std::span<std::byte> out, Rng&) const {
   if (in.data.size() != out.size()) {
-    throw DataError(fmt::format("sample has {} bytes, the output spec needs {}", in.data.size(),
-                                out.size()));
+    throw DataError(
+        fmt::format("sample has {} bytes, the output spec needs {}", in.data.size(), out.size()));
   }
   std::memcpy(out.data(), in.data.data(), out.size());
 }

@@ -46,9 +46,10 @@ class Workers {
   virtual void submit(int worker, Task task) = 0;
   // The next event; nullopt when `deadline` passed first.
   virtual std::optional<WorkerEvent> wait(std::optional<Clock::time_point> deadline) = 0;
-  // Stops every worker (a task in progress is abandoned) and waits for them.
-  virtual void stop() = 0;
-  virtual pid_t pid(int worker) const = 0;  // the process, or this process for threads
+  // Stops every worker and waits for them. Gracefully (each finishes its task and exits), or
+  // `now`: process workers are killed at once (their tasks are being abandoned anyway).
+  virtual void stop(bool now = false) = 0;
+  virtual pid_t pid(int worker) const = 0;      // the process, or this process for threads
   virtual std::vector<pid_t> pids() const = 0;  // running worker processes
 };
 

@@ -70,9 +70,22 @@ bool recv_message(int sock, std::vector<std::string>& fields, int fds[kMaxFds], 
   msg.msg_control = control;
   msg.msg_controllen = sizeof control;
   ssize_t n;
-  do {
+  bool reset_seen = false;
+  while (true) {
     n = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | flags);
-  } while (n < 0 && errno == EINTR);
+    if (n >= 0 || errno == EINTR) {
+      if (n >= 0) break;
+      continue;
+    }
+    // A peer that closed with messages of ours unread leaves ECONNRESET pending, and the kernel
+    // reports it before the messages the peer sent us: report those first (the error is
+    // cleared once read; EOF follows them).
+    if (errno == ECONNRESET && !reset_seen) {
+      reset_seen = true;
+      continue;
+    }
+    break;
+  }
   for (int i = 0; i < kMaxFds; ++i) fds[i] = -1;
   if (n <= 0) {
     if (n == 0) errno = 0;

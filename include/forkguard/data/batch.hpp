@@ -49,17 +49,17 @@ class Batch {
   Batch() = default;
   explicit Batch(std::shared_ptr<detail::BatchStorage> storage) : s_(std::move(storage)) {}
 
-  size_t size() const;          // samples in this batch
-  size_t number() const;        // its position in the epoch (0-based)
+  size_t size() const;    // samples in this batch
+  size_t number() const;  // its position in the epoch (0-based)
   uint64_t epoch() const;
   const std::vector<size_t>& indices() const;  // the dataset indices, in batch order
   const std::vector<SkippedSample>& skipped() const;
   const OutputSpec& spec() const;  // per-sample output
 
   Placement placement() const;
-  int device() const;             // the CUDA ordinal for kDevice, -1 on the host
-  uintptr_t stream() const;       // the CUstream the copy was enqueued on; 0 on the host
-  void synchronize() const;       // waits until the device copy is complete (no-op on the host)
+  int device() const;        // the CUDA ordinal for kDevice, -1 on the host
+  uintptr_t stream() const;  // the CUstream the copy was enqueued on; 0 on the host
+  void synchronize() const;  // waits until the device copy is complete (no-op on the host)
 
   // Images: [size, spec.shape...] of spec.dtype; a host pointer or a CUdeviceptr.
   void* images_data() const;

@@ -56,10 +56,10 @@ enum class Delivery { kInOrder, kAsReady };
 
 // Given to the worker init hook, once per worker.
 struct WorkerInfo {
-  int id = 0;             // 0..workers-1
-  int workers = 1;        // how many
-  uint64_t seed = 0;      // a seed for this worker: sample_key(options.seed, epoch, id, 1)
-  uint64_t epoch = 0;     // the epoch the worker started in
+  int id = 0;          // 0..workers-1
+  int workers = 1;     // how many
+  uint64_t seed = 0;   // a seed for this worker: sample_key(options.seed, epoch, id, 1)
+  uint64_t epoch = 0;  // the epoch the worker started in
   WorkerKind kind = WorkerKind::kThread;
 };
 using WorkerInit = void (*)(const WorkerInfo& info);
@@ -73,41 +73,41 @@ struct DeviceOptions {
 };
 
 struct LoaderOptions {
-  size_t batch_size = 64;                         // samples per batch
-  size_t workers = 0;                             // 0: the consumer's thread does the work
-  WorkerKind worker_kind = WorkerKind::kThread;   // threads or processes
+  size_t batch_size = 64;                            // samples per batch
+  size_t workers = 0;                                // 0: the consumer's thread does the work
+  WorkerKind worker_kind = WorkerKind::kThread;      // threads or processes
   ProcessStart process_start = ProcessStart::kAuto;  // where process workers come from
-  size_t prefetch = 2;                            // batches in flight per worker
-  bool persistent_workers = true;                 // keep workers across epochs
-  Delivery delivery = Delivery::kInOrder;         // in order, or as each batch is ready
-  std::chrono::milliseconds timeout{0};           // per batch; 0: wait as long as it takes
-  BadSample bad_sample = BadSample::kError;       // raise, or substitute and record
-  size_t max_substitutes = 16;                    // skip: tries before giving up on a sample
-  uint64_t seed = 0;                              // all randomness derives from it
-  bool shuffle = false;                           // RandomSampler(seed) instead of sequential
-  bool distributed = false;                       // shard by RANK/WORLD_SIZE (DistributedSampler)
-  bool drop_last = false;                         // drop a short last batch
-  std::shared_ptr<const Sampler> sampler;         // overrides shuffle/distributed when set
-  std::string worker_init;                        // a registered hook's name; empty: none
-  DeviceOptions device{};                         // GPU hand-off
-  size_t key_bytes = 256;                         // room for each key in the slot
+  size_t prefetch = 2;                               // batches in flight per worker
+  bool persistent_workers = true;                    // keep workers across epochs
+  Delivery delivery = Delivery::kInOrder;            // in order, or as each batch is ready
+  std::chrono::milliseconds timeout{0};              // per batch; 0: wait as long as it takes
+  BadSample bad_sample = BadSample::kError;          // raise, or substitute and record
+  size_t max_substitutes = 16;                       // skip: tries before giving up on a sample
+  uint64_t seed = 0;                                 // all randomness derives from it
+  bool shuffle = false;                              // RandomSampler(seed) instead of sequential
+  bool distributed = false;                  // shard by RANK/WORLD_SIZE (DistributedSampler)
+  bool drop_last = false;                    // drop a short last batch
+  std::shared_ptr<const Sampler> sampler{};  // overrides shuffle/distributed when set
+  std::string worker_init{};                 // a registered hook's name; empty: none
+  DeviceOptions device{};                    // GPU hand-off
+  size_t key_bytes = 256;                    // room for each key in the slot
   // Where skip notices go (once per skipped index); default: stderr.
-  std::function<void(const std::string&)> log;
+  std::function<void(const std::string&)> log{};
 };
 
 struct LoaderStats {
-  double read_seconds = 0;            // in Dataset::read, summed over workers
-  double transform_seconds = 0;       // in Transform::apply, summed over workers
-  double slot_wait_seconds = 0;       // workers idle, every slot full (summed over workers)
-  double consumer_wait_seconds = 0;   // the consumer blocked in next()
-  double copy_seconds = 0;            // enqueueing device copies
-  uint64_t batches = 0;               // delivered
-  uint64_t samples = 0;               // delivered
-  uint64_t skipped = 0;               // replaced under the skip policy
-  uint64_t worker_starts = 0;         // workers started
-  uint64_t worker_restarts = 0;       // of those, starts after the first set
-  size_t slots = 0;                   // shared-memory slots allocated
-  size_t slot_bytes = 0;              // bytes per slot
+  double read_seconds = 0;           // in Dataset::read, summed over workers
+  double transform_seconds = 0;      // in Transform::apply, summed over workers
+  double slot_wait_seconds = 0;      // workers idle, every slot full (summed over workers)
+  double consumer_wait_seconds = 0;  // the consumer blocked in next()
+  double copy_seconds = 0;           // enqueueing device copies
+  uint64_t batches = 0;              // delivered
+  uint64_t samples = 0;              // delivered
+  uint64_t skipped = 0;              // replaced under the skip policy
+  uint64_t worker_starts = 0;        // workers started
+  uint64_t worker_restarts = 0;      // of those, starts after the first set
+  size_t slots = 0;                  // shared-memory slots allocated
+  size_t slot_bytes = 0;             // bytes per slot
 };
 
 namespace detail {
@@ -131,7 +131,7 @@ class Loader {
   void set_epoch(uint64_t epoch);
   uint64_t epoch() const;
 
-  size_t size() const;              // batches per epoch
+  size_t size() const;  // batches per epoch
   size_t dataset_size() const;
   const OutputSpec& output_spec() const;
   LoaderStats stats() const;

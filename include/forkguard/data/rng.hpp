@@ -57,7 +57,7 @@ class Rng {
   int64_t uniform_int(int64_t lo, int64_t hi) {
     const uint64_t range = static_cast<uint64_t>(hi - lo) + 1;
     if (range == 0) return static_cast<int64_t>(next());  // the full 64-bit range
-    const uint64_t limit = -range % range;               // 2^64 mod range
+    const uint64_t limit = -range % range;                // 2^64 mod range
     uint64_t x;
     do {
       x = next();

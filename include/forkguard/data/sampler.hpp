@@ -66,7 +66,7 @@ class DistributedSampler : public Sampler {
 };
 
 // Consecutive groups of batch_size; the last one is shorter unless drop_last drops it.
-std::vector<std::vector<size_t>> make_batches(const std::vector<size_t>& indices,
-                                              size_t batch_size, bool drop_last);
+std::vector<std::vector<size_t>> make_batches(const std::vector<size_t>& indices, size_t batch_size,
+                                              bool drop_last);
 
 }  // namespace forkguard::data

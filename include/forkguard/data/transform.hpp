@@ -39,9 +39,9 @@ std::string to_string(Layout l);
 
 // One sample's output tensor. A batch of B samples has shape [B, shape...].
 struct OutputSpec {
-  std::vector<int64_t> shape;       // per sample, e.g. {3, 224, 224}
-  DType dtype = DType::kUInt8;      // element type
-  Layout layout = Layout::kAny;     // a label for consumers; the bytes are row-major
+  std::vector<int64_t> shape;    // per sample, e.g. {3, 224, 224}
+  DType dtype = DType::kUInt8;   // element type
+  Layout layout = Layout::kAny;  // a label for consumers; the bytes are row-major
   size_t elements() const;
   size_t bytes() const { return elements() * dtype_size(dtype); }
   bool operator==(const OutputSpec&) const = default;

@@ -5,6 +5,7 @@
 //   FAKE_CUDA_DEV_DIR   where the device files (nvidiactl, nvidia-uvm, nvidiaN) are created and
 //                       opened (default $TMPDIR/forkguard-fake-cuda-dev)
 //   FAKE_CUDA_LOG       file that gets one line per call: "<pid> <function> <result>"
+//   FAKE_CUDA_COPY_DELAY_MS  async copies complete (and only then happen) this much later
 #pragma once
 
 #include <fcntl.h>

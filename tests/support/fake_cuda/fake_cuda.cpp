@@ -16,10 +16,13 @@
 
 #include <poll.h>
 #include <atomic>
+#include <chrono>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -33,11 +36,27 @@ struct CUctx_st {
   int refs = 0;
   void* mapping = nullptr;
 };
+// FAKE_CUDA_COPY_DELAY_MS > 0: async copies on a stream are queued and performed only when they
+// complete (that many milliseconds after they were enqueued, once an event query, an event or
+// stream synchronize sees them): a host buffer reused before its copy's event completed is
+// caught, because the copy then reads the new bytes.
+struct PendingCopy {
+  char* dst;
+  const char* src;
+  size_t bytes;
+  std::chrono::steady_clock::time_point due;
+  uint64_t seq;
+};
 struct CUstream_st {
-  int unused = 0;
+  std::mutex mutex;
+  std::deque<PendingCopy> queue;
+  uint64_t enqueued = 0;
+  uint64_t completed = 0;
 };
 struct CUevent_st {
   bool recorded = false;
+  CUstream stream = nullptr;
+  uint64_t seq = 0;
 };
 
 namespace {
@@ -387,9 +406,47 @@ CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t bytes) {
 CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t bytes) {
   return copy_dtoh("cuMemcpyDtoH_v2", dst, src, bytes);
 }
-// Host-backed: an "async" copy completes before it returns, which is one legal schedule.
-CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t bytes, CUstream) {
-  return copy_htod("cuMemcpyHtoDAsync_v2", dst, src, bytes);
+namespace {
+int copy_delay_ms() {
+  const char* v = std::getenv("FAKE_CUDA_COPY_DELAY_MS");
+  return v == nullptr ? 0 : std::atoi(v);
+}
+
+// Performs the queued copies up to `seq`: those already due, or (block) all of them, waiting.
+void flush(CUstream s, uint64_t seq, bool block) {
+  std::lock_guard lock(s->mutex);
+  while (!s->queue.empty() && s->queue.front().seq <= seq) {
+    auto& c = s->queue.front();
+    if (c.due > std::chrono::steady_clock::now()) {
+      if (!block) return;
+      std::this_thread::sleep_until(c.due);
+    }
+    std::memcpy(c.dst, c.src, c.bytes);
+    s->completed = c.seq;
+    s->queue.pop_front();
+  }
+  if (s->queue.empty()) s->completed = s->enqueued;
+}
+}  // namespace
+
+// Host-backed: without FAKE_CUDA_COPY_DELAY_MS an "async" copy completes before it returns,
+// which is one legal schedule; with it, the copy happens when it completes.
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream) {
+  const int delay = copy_delay_ms();
+  if (delay <= 0 || stream == nullptr) return copy_htod("cuMemcpyHtoDAsync_v2", dst, src, bytes);
+  FAKE_REQUIRE_INIT("cuMemcpyHtoDAsync_v2");
+  FAKE_REQUIRE_CONTEXT("cuMemcpyHtoDAsync_v2");
+  {
+    std::lock_guard lock(g_mutex);
+    if (src == nullptr || !device_range_ok(dst, bytes)) {
+      return done("cuMemcpyHtoDAsync_v2", CUDA_ERROR_INVALID_VALUE);
+    }
+  }
+  std::lock_guard lock(stream->mutex);
+  stream->queue.push_back({reinterpret_cast<char*>(dst), static_cast<const char*>(src), bytes,
+                           std::chrono::steady_clock::now() + std::chrono::milliseconds(delay),
+                           ++stream->enqueued});
+  return done("cuMemcpyHtoDAsync_v2", CUDA_SUCCESS);
 }
 CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t bytes, CUstream) {
   return copy_dtoh("cuMemcpyDtoHAsync_v2", dst, src, bytes);
@@ -406,13 +463,15 @@ CUresult cuStreamCreate(CUstream* stream, unsigned int) {
 CUresult cuStreamDestroy_v2(CUstream stream) {
   FAKE_REQUIRE_INIT("cuStreamDestroy_v2");
   if (stream == nullptr) return done("cuStreamDestroy_v2", CUDA_ERROR_INVALID_HANDLE);
+  flush(stream, ~0ull, true);
   delete stream;
   return done("cuStreamDestroy_v2", CUDA_SUCCESS);
 }
 
-CUresult cuStreamSynchronize(CUstream) {
+CUresult cuStreamSynchronize(CUstream stream) {
   FAKE_REQUIRE_INIT("cuStreamSynchronize");
   FAKE_REQUIRE_CONTEXT("cuStreamSynchronize");
+  if (stream != nullptr) flush(stream, ~0ull, true);
   return done("cuStreamSynchronize", CUDA_SUCCESS);
 }
 
@@ -424,22 +483,33 @@ CUresult cuEventCreate(CUevent* event, unsigned int) {
   return done("cuEventCreate", CUDA_SUCCESS);
 }
 
-CUresult cuEventRecord(CUevent event, CUstream) {
+CUresult cuEventRecord(CUevent event, CUstream stream) {
   FAKE_REQUIRE_INIT("cuEventRecord");
   if (event == nullptr) return done("cuEventRecord", CUDA_ERROR_INVALID_HANDLE);
   event->recorded = true;
+  event->stream = stream;
+  if (stream != nullptr) {
+    std::lock_guard lock(stream->mutex);
+    event->seq = stream->enqueued;
+  }
   return done("cuEventRecord", CUDA_SUCCESS);
 }
 
 CUresult cuEventQuery(CUevent event) {
   FAKE_REQUIRE_INIT("cuEventQuery");
   if (event == nullptr) return done("cuEventQuery", CUDA_ERROR_INVALID_HANDLE);
+  if (event->stream != nullptr) {
+    flush(event->stream, event->seq, false);
+    std::lock_guard lock(event->stream->mutex);
+    if (event->stream->completed < event->seq) return done("cuEventQuery", CUDA_ERROR_NOT_READY);
+  }
   return done("cuEventQuery", CUDA_SUCCESS);
 }
 
 CUresult cuEventSynchronize(CUevent event) {
   FAKE_REQUIRE_INIT("cuEventSynchronize");
   if (event == nullptr) return done("cuEventSynchronize", CUDA_ERROR_INVALID_HANDLE);
+  if (event->stream != nullptr) flush(event->stream, event->seq, true);
   return done("cuEventSynchronize", CUDA_SUCCESS);
 }
 

@@ -1,0 +1,527 @@
+// The loader core, end to end: real threads, real processes (from the fork server and by guarded
+// fork), real memfd slots, the test driver for the GPU hand-off. Its own main() calls
+// forkguard::init(), as a user's program does, so the fork server exists.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <set>
+#include <thread>
+
+#include "data/test_pipeline.hpp"
+#include "forkguard/cuda/driver.hpp"
+#include "forkguard/init.hpp"
+#include "launch/fork_server.hpp"
+#include "paths.hpp"
+#include "process.hpp"
+
+namespace fd = forkguard::data;
+namespace ft = forkguard::testing;
+using forkguard::testing::FlakyDataset;
+using forkguard::testing::NoiseOptions;
+using forkguard::testing::NoiseTransform;
+using Clock = std::chrono::steady_clock;
+
+FORKGUARD_REGISTER_DATASET(test_flaky, [](const nlohmann::json& p) {
+  auto bad = p.at("bad").get<std::vector<size_t>>();
+  return std::make_unique<FlakyDataset>(
+      fd::SyntheticOptions{.size = p.at("size"), .sample_bytes = p.at("sample_bytes"),
+                           .seed = p.at("seed")},
+      std::set<size_t>(bad.begin(), bad.end()));
+});
+FORKGUARD_REGISTER_TRANSFORM(test_noise, [](const nlohmann::json& p) {
+  return std::make_unique<NoiseTransform>(NoiseOptions{
+      p.at("bytes"), p.at("sleep_ms"), p.at("cuda_at"), p.at("driver").get<std::string>()});
+});
+
+namespace {
+
+constexpr size_t kBytes = 3 * 16 * 16;
+
+std::shared_ptr<fd::Dataset> dataset(size_t n = 200, std::set<size_t> bad = {}) {
+  return std::make_shared<FlakyDataset>(
+      fd::SyntheticOptions{.size = n, .sample_bytes = kBytes, .seed = 11}, std::move(bad));
+}
+
+std::shared_ptr<fd::Transform> noise(NoiseOptions o = {}) {
+  o.bytes = kBytes;
+  return std::make_shared<NoiseTransform>(o);
+}
+
+uint64_t fnv(const void* data, size_t n, uint64_t h = 1469598103934665603ull) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+
+uint64_t hash_batch(const fd::Batch& b) {
+  uint64_t h = fnv(b.images_data(), b.images_bytes());
+  h = fnv(b.labels(), b.size() * sizeof(int64_t), h);
+  for (size_t i = 0; i < b.size(); ++i) {
+    auto k = b.key(i);
+    h = fnv(k.data(), k.size(), h);
+  }
+  return fnv(b.indices().data(), b.indices().size() * sizeof(size_t), h);
+}
+
+// The hash of every batch of `epochs` epochs, in delivery order.
+std::vector<uint64_t> hashes(const fd::LoaderOptions& o, int epochs,
+                             std::shared_ptr<fd::Dataset> ds = dataset()) {
+  fd::Loader loader(ds, noise(), o);
+  std::vector<uint64_t> out;
+  for (int e = 0; e < epochs; ++e) {
+    while (auto b = loader.next()) out.push_back(hash_batch(*b));
+  }
+  return out;
+}
+
+std::string maps_with(const std::string& needle) {
+  std::ifstream in("/proc/self/maps");
+  std::string line, found;
+  while (std::getline(in, line)) {
+    if (line.find(needle) != std::string::npos) found += line + "\n";
+  }
+  return found;
+}
+
+pid_t zygote() {
+  return forkguard::launch::detail::ForkServer::get()->pid();
+}
+
+// This process initializes CUDA (the test driver) and makes a context current.
+const forkguard::cuda::Driver& init_cuda_here() {
+  ::setenv("FORKGUARD_CUDA_DRIVER", ft::kFakeCuda.c_str(), 1);
+  const auto& d = forkguard::cuda::Driver::load();
+  d.check(d.api().cuInit(0), "cuInit");
+  forkguard::cuda::CUdevice dev;
+  d.check(d.api().cuDeviceGet(&dev, 0), "cuDeviceGet");
+  forkguard::cuda::CUcontext ctx;
+  d.check(d.api().cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+  d.check(d.api().cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
+  return d;
+}
+
+// Nothing left behind: the fds and mappings of before, no worker processes.
+void expect_clean(const std::vector<int>& fds_before) {
+  EXPECT_EQ(ft::open_fds(), fds_before);
+  EXPECT_EQ(maps_with("forkguard-batch"), "");
+  EXPECT_TRUE(ft::children_of(zygote()).empty());
+  for (pid_t c : ft::children_of(::getpid())) {
+    EXPECT_EQ(c, zygote()) << "a child other than the fork server is left: " << c;
+  }
+}
+
+struct Kind {
+  size_t workers;
+  fd::WorkerKind kind;
+  fd::ProcessStart start;
+  const char* name;
+};
+
+const Kind kKinds[] = {
+    {0, fd::WorkerKind::kThread, fd::ProcessStart::kAuto, "inline"},
+    {1, fd::WorkerKind::kThread, fd::ProcessStart::kAuto, "1 thread"},
+    {2, fd::WorkerKind::kThread, fd::ProcessStart::kAuto, "2 threads"},
+    {3, fd::WorkerKind::kThread, fd::ProcessStart::kAuto, "3 threads"},
+    {1, fd::WorkerKind::kProcess, fd::ProcessStart::kForkServer, "1 fork-server process"},
+    {2, fd::WorkerKind::kProcess, fd::ProcessStart::kForkServer, "2 fork-server processes"},
+    {2, fd::WorkerKind::kProcess, fd::ProcessStart::kFork, "2 forked processes"},
+};
+
+fd::LoaderOptions with(const Kind& k, fd::LoaderOptions o) {
+  o.workers = k.workers;
+  o.worker_kind = k.kind;
+  o.process_start = k.start;
+  return o;
+}
+
+}  // namespace
+
+TEST(Loader, SameBatchesForEveryWorkerCountAndKind) {
+  const fd::LoaderOptions base{.batch_size = 16, .seed = 5, .shuffle = true};
+  const auto reference = hashes(with(kKinds[0], base), 3);
+  ASSERT_EQ(reference.size(), 3u * 13u);  // 200 samples: 12 full batches and one of 8
+  // Shuffled per epoch, and the noise depends on the epoch: no two epochs are alike.
+  EXPECT_NE(std::vector<uint64_t>(reference.begin(), reference.begin() + 13),
+            std::vector<uint64_t>(reference.begin() + 13, reference.begin() + 26));
+  for (const auto& k : kKinds) {
+    EXPECT_EQ(hashes(with(k, base), 3), reference) << k.name;
+  }
+  // Another seed, other batches.
+  auto other = base;
+  other.seed = 6;
+  EXPECT_NE(hashes(with(kKinds[2], other), 1),
+            std::vector<uint64_t>(reference.begin(), reference.begin() + 13));
+}
+
+TEST(Loader, EpochsCanBeReplayedWithSetEpoch) {
+  fd::Loader loader(dataset(), noise(), {.batch_size = 32, .workers = 2, .seed = 1, .shuffle = true});
+  std::vector<uint64_t> first, again;
+  while (auto b = loader.next()) first.push_back(hash_batch(*b));
+  EXPECT_EQ(loader.epoch(), 1u);
+  loader.set_epoch(0);
+  while (auto b = loader.next()) again.push_back(hash_batch(*b));
+  EXPECT_EQ(first, again);
+}
+
+TEST(Loader, AsReadyDeliversEveryBatchOnce) {
+  fd::Loader loader(dataset(), noise(),
+                    {.batch_size = 8, .workers = 3, .delivery = fd::Delivery::kAsReady, .seed = 2});
+  std::set<size_t> seen;
+  std::set<size_t> samples;
+  while (auto b = loader.next()) {
+    EXPECT_TRUE(seen.insert(b->number()).second) << "batch " << b->number() << " twice";
+    samples.insert(b->indices().begin(), b->indices().end());
+  }
+  EXPECT_EQ(seen.size(), loader.size());
+  EXPECT_EQ(samples.size(), 200u);
+}
+
+TEST(Loader, DropLastAndBatchShape) {
+  fd::Loader loader(dataset(), noise(), {.batch_size = 64, .drop_last = true});
+  EXPECT_EQ(loader.size(), 3u);
+  size_t n = 0;
+  while (auto b = loader.next()) {
+    EXPECT_EQ(b->size(), 64u);
+    EXPECT_EQ(b->placement(), fd::Placement::kHost);
+    EXPECT_EQ(b->labels()[0], static_cast<int64_t>(b->indices()[0] % 10));
+    EXPECT_EQ(b->key(1), fmt::format("synthetic/{:08}", b->indices()[1]));
+    ++n;
+  }
+  EXPECT_EQ(n, 3u);
+}
+
+TEST(Loader, BadSampleErrorNamesIndexAndKeyAndTheEpochGoesOn) {
+  for (const auto& k : {kKinds[0], kKinds[2], kKinds[5]}) {
+    fd::Loader loader(dataset(40, {13}), noise(), with(k, {.batch_size = 10}));
+    std::vector<size_t> got;
+    bool raised = false;
+    while (true) {
+      try {
+        auto b = loader.next();
+        if (!b) break;
+        got.push_back(b->number());
+      } catch (const fd::DataError& e) {
+        raised = true;
+        EXPECT_EQ(e.index(), 13u) << k.name;
+        EXPECT_EQ(e.key(), "synthetic/00000013");
+        EXPECT_NE(std::string(e.what()).find("batch 1 of epoch 0: sample 13 (synthetic/00000013): "
+                                             "corrupt record"),
+                  std::string::npos)
+            << e.what();
+      }
+    }
+    EXPECT_TRUE(raised) << k.name;
+    EXPECT_EQ(got, (std::vector<size_t>{0, 2, 3})) << k.name;
+  }
+}
+
+TEST(Loader, SkipSubstitutesDeterministicallyRecordsAndLogsOnce) {
+  std::vector<uint64_t> reference;
+  for (const auto& k : kKinds) {
+    std::vector<std::string> log;
+    auto o = with(k, {.batch_size = 10, .bad_sample = fd::BadSample::kSkip, .seed = 3});
+    o.log = [&](const std::string& m) { log.push_back(m); };
+    fd::Loader loader(dataset(40, {13, 27}), noise(), o);
+    std::vector<uint64_t> h;
+    size_t skipped_seen = 0;
+    for (int e = 0; e < 2; ++e) {
+      while (auto b = loader.next()) {
+        h.push_back(hash_batch(*b));
+        for (const auto& s : b->skipped()) {
+          ++skipped_seen;
+          EXPECT_TRUE(s.index == 13 || s.index == 27);
+          EXPECT_EQ(s.reason, "corrupt record");
+          EXPECT_EQ(b->indices()[s.position], s.index);  // the batch says which index it was
+          EXPECT_EQ(b->key(s.position), fmt::format("synthetic/{:08}", s.substitute));
+          EXPECT_NE(s.substitute, s.index);
+        }
+      }
+    }
+    EXPECT_EQ(skipped_seen, 4u) << k.name;
+    EXPECT_EQ(loader.stats().skipped, 4u) << k.name;
+    EXPECT_EQ(log.size(), 2u) << k.name;  // once per skipped index
+    if (!log.empty()) {
+      EXPECT_NE(log[0].find("skipped sample 13"), std::string::npos) << log[0];
+    }
+    if (reference.empty()) reference = h;
+    EXPECT_EQ(h, reference) << k.name;
+  }
+}
+
+TEST(Loader, DlpackTensorsShareTheSlotAndKeepItAlive) {
+  fd::Loader loader(dataset(64), noise(), {.batch_size = 16, .workers = 1, .prefetch = 1});
+  std::vector<DLManagedTensor*> held;
+  std::vector<uint64_t> at_delivery;
+  while (auto b = loader.next()) {
+    DLManagedTensor* t = b->images_dlpack();
+    EXPECT_EQ(t->dl_tensor.data, b->images_data());  // no copy
+    EXPECT_EQ(t->dl_tensor.ndim, 2);
+    EXPECT_EQ(t->dl_tensor.shape[0], 16);
+    EXPECT_EQ(t->dl_tensor.shape[1], static_cast<int64_t>(kBytes));
+    EXPECT_EQ(t->dl_tensor.dtype.code, kDLUInt);
+    EXPECT_EQ(t->dl_tensor.device.device_type, kDLCPU);
+    DLManagedTensor* labels = b->labels_dlpack();
+    EXPECT_EQ(static_cast<const int64_t*>(labels->dl_tensor.data)[3], b->labels()[3]);
+    labels->deleter(labels);
+    held.push_back(t);
+    at_delivery.push_back(fnv(b->images_data(), b->images_bytes()));
+  }
+  // Every tensor still holds its own batch: held slots are never handed to a worker again.
+  ASSERT_EQ(held.size(), 4u);
+  for (size_t i = 0; i < held.size(); ++i) {
+    EXPECT_EQ(fnv(held[i]->dl_tensor.data, 16 * kBytes), at_delivery[i]);
+  }
+  const size_t slots = loader.stats().slots;
+  EXPECT_GE(slots, 4u);
+  for (auto* t : held) t->deleter(t);
+  // Released: the next epoch runs in the slots there are.
+  while (auto b = loader.next()) {
+  }
+  EXPECT_EQ(loader.stats().slots, slots);
+}
+
+TEST(Loader, SlotsAreRecycledWhenBatchesAreReleased) {
+  fd::Loader loader(dataset(400), noise(), {.batch_size = 8, .workers = 2, .prefetch = 2});
+  for (int e = 0; e < 2; ++e) {
+    while (auto b = loader.next()) {
+    }
+  }
+  // Two workers, two batches in flight each, one held by the consumer: a handful of slots.
+  EXPECT_LE(loader.stats().slots, 6u);
+  EXPECT_EQ(loader.stats().batches, 100u);
+}
+
+TEST(Loader, WorkerInitHookRunsOncePerWorkerWithItsIdAndSeed) {
+  static std::atomic<int> calls{0};
+  static std::atomic<uint64_t> seeds{0};
+  fd::register_worker_init("test_count", [](const fd::WorkerInfo& info) {
+    calls += 1;
+    seeds += info.seed + static_cast<uint64_t>(info.id);
+  });
+  fd::Loader loader(dataset(), noise(),
+                    {.batch_size = 50, .workers = 3, .seed = 9, .worker_init = "test_count"});
+  for (int e = 0; e < 2; ++e) {
+    while (auto b = loader.next()) {
+    }
+  }
+  EXPECT_EQ(calls.load(), 3);  // persistent workers: once each
+  uint64_t expect = 0;
+  for (uint64_t id = 0; id < 3; ++id) expect += fd::sample_key(9, 0, id, 1) + id;
+  EXPECT_EQ(seeds.load(), expect);
+}
+
+// A hook for process workers: each writes its id to a file (the test cannot see their memory).
+static const bool g_hooks = [] {
+  fd::register_worker_init("test_touch_file", [](const fd::WorkerInfo& info) {
+    std::ofstream(fmt::format("{}/worker-{}-of-{}", std::getenv("LOADER_TEST_DIR"), info.id,
+                              info.workers))
+        << info.seed;
+  });
+  fd::register_worker_init("test_cuda_init", [](const fd::WorkerInfo&) {
+    void* h = ::dlopen(ft::kFakeCuda.c_str(), RTLD_NOW | RTLD_GLOBAL);
+    auto init = reinterpret_cast<forkguard::cuda::PFN_cuInit>(::dlsym(h, "cuInit"));
+    init(0);
+  });
+  return true;
+}();
+
+TEST(Loader, ProcessWorkerInitHookAndRestartsWithoutPersistence) {
+  ft::TempDir dir;
+  ::setenv("LOADER_TEST_DIR", dir.path().c_str(), 1);
+  for (auto start : {fd::ProcessStart::kFork}) {  // the zygote's environment predates setenv
+    fd::Loader loader(dataset(), noise(),
+                      {.batch_size = 50, .workers = 2, .worker_kind = fd::WorkerKind::kProcess,
+                       .process_start = start, .persistent_workers = false,
+                       .worker_init = "test_touch_file"});
+    for (int e = 0; e < 2; ++e) {
+      while (auto b = loader.next()) {
+      }
+      EXPECT_TRUE(loader.worker_pids().empty());  // stopped at the end of the epoch
+    }
+    EXPECT_EQ(loader.stats().worker_starts, 4u);
+    EXPECT_EQ(loader.stats().worker_restarts, 2u);
+    EXPECT_EQ(ft::read_file(dir.path() + "/worker-1-of-2"), std::to_string(fd::sample_key(0, 1, 1, 1)));
+  }
+}
+
+TEST(Loader, KilledProcessWorkerIsReportedWithinASecondAndNothingIsLeft) {
+  for (auto start : {fd::ProcessStart::kForkServer, fd::ProcessStart::kFork}) {
+    const auto fds_before = ft::open_fds();
+    {
+      fd::Loader loader(dataset(), noise({.sleep_ms = 5}),
+                        {.batch_size = 4, .workers = 2, .worker_kind = fd::WorkerKind::kProcess,
+                         .process_start = start});
+      ASSERT_TRUE(loader.next().has_value());
+      auto pids = loader.worker_pids();
+      ASSERT_EQ(pids.size(), 2u);
+      const pid_t victim = pids[1];
+      ASSERT_EQ(::kill(victim, SIGKILL), 0);
+      const auto killed_at = Clock::now();
+      try {
+        while (loader.next()) {
+        }
+        FAIL() << "no error after a worker was killed";
+      } catch (const fd::WorkerError& e) {
+        const double s = std::chrono::duration<double>(Clock::now() - killed_at).count();
+        EXPECT_LT(s, 1.0);
+        std::string msg = e.what();
+        EXPECT_NE(msg.find(fmt::format("worker 1 (PID {})", victim)), std::string::npos) << msg;
+        EXPECT_NE(msg.find("killed by signal 9 (SIGKILL)"), std::string::npos) << msg;
+        EXPECT_NE(msg.find("(samples "), std::string::npos) << msg;
+        EXPECT_EQ(e.pid(), victim);
+        EXPECT_FALSE(e.indices().empty());
+      }
+      EXPECT_TRUE(loader.worker_pids().empty());  // the other worker was stopped too
+      // The loader goes on with fresh workers at the next epoch.
+      size_t n = 0;
+      while (auto b = loader.next()) ++n;
+      EXPECT_EQ(n, loader.size());
+      EXPECT_EQ(loader.stats().worker_restarts, 2u);
+    }
+    expect_clean(fds_before);
+  }
+}
+
+TEST(Loader, DestroyedMidEpochLeavesNothingBehind) {
+  for (const auto& k : kKinds) {
+    const auto fds_before = ft::open_fds();
+    {
+      fd::Loader loader(dataset(), noise({.sleep_ms = 1}), with(k, {.batch_size = 8}));
+      auto b = loader.next();
+      ASSERT_TRUE(b.has_value());
+      auto held = *b;  // a batch outliving its loader keeps its memory
+      b.reset();
+      EXPECT_EQ(held.key(0), "synthetic/00000000");
+    }
+    expect_clean(fds_before);
+  }
+}
+
+TEST(Loader, TimeoutNamesTheBatchAndTheWorker) {
+  fd::Loader loader(dataset(), noise({.sleep_ms = 400}),
+                    {.batch_size = 4, .workers = 1, .worker_kind = fd::WorkerKind::kProcess,
+                     .timeout = std::chrono::milliseconds(200)});
+  const auto t0 = Clock::now();
+  try {
+    loader.next();
+    FAIL() << "no timeout";
+  } catch (const fd::TimeoutError& e) {
+    EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 1.5);
+    std::string msg = e.what();
+    EXPECT_NE(msg.find("batch 0 of epoch 0 was not ready within 200 ms; waiting on worker 0 (PID "),
+              std::string::npos)
+        << msg;
+  }
+}
+
+TEST(Loader, ProcessWorkersFromTheForkServerWorkAfterThisProcessInitializedCuda) {
+  const auto& drv = init_cuda_here();
+  auto reference = hashes({.batch_size = 16, .seed = 4}, 1);
+  for (auto start : {fd::ProcessStart::kAuto, fd::ProcessStart::kForkServer}) {
+    EXPECT_EQ(hashes({.batch_size = 16, .workers = 2, .worker_kind = fd::WorkerKind::kProcess,
+                      .process_start = start, .seed = 4},
+                     1),
+              reference);
+  }
+  // A guarded fork from here is refused, with the evidence.
+  try {
+    fd::Loader loader(dataset(), noise(),
+                      {.workers = 2, .worker_kind = fd::WorkerKind::kProcess,
+                       .process_start = fd::ProcessStart::kFork});
+    loader.next();
+    FAIL() << "forked workers from a CUDA-initialized process";
+  } catch (const fd::DataError& e) {
+    std::string msg = e.what();
+    EXPECT_NE(msg.find("refusing to fork process workers"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("initialized"), std::string::npos) << msg;
+  }
+  forkguard::cuda::CUdeviceptr p;
+  EXPECT_EQ(drv.api().cuMemAlloc_v2(&p, 64), forkguard::cuda::CUDA_SUCCESS);
+}
+
+TEST(Loader, ProcessWorkerWhoseTransformInitializesCudaStopsNamingIt) {
+  const auto& drv = init_cuda_here();  // the main process uses the GPU meanwhile
+  fd::Loader loader(dataset(), noise({.cuda_at = 21, .driver = ft::kFakeCuda}),
+                    {.batch_size = 8, .workers = 2, .worker_kind = fd::WorkerKind::kProcess});
+  size_t delivered = 0;
+  try {
+    while (loader.next()) ++delivered;
+    FAIL() << "no error";
+  } catch (const fd::WorkerError& e) {
+    std::string msg = e.what();
+    EXPECT_NE(msg.find("transform \"noise\" initialized CUDA in the worker while processing "
+                       "sample 21 (synthetic/00000021)"),
+              std::string::npos)
+        << msg;
+    EXPECT_EQ(e.worker(), 0);  // batch 2 (samples 16-23) is worker 0's
+  }
+  EXPECT_EQ(delivered, 2u);
+  forkguard::cuda::CUdeviceptr p;
+  EXPECT_EQ(drv.api().cuMemAlloc_v2(&p, 64), forkguard::cuda::CUDA_SUCCESS);
+}
+
+TEST(Loader, ProcessWorkerInitHookThatInitializesCudaIsNamed) {
+  try {
+    fd::Loader loader(dataset(), noise(),
+                      {.workers = 1, .worker_kind = fd::WorkerKind::kProcess,
+                       .worker_init = "test_cuda_init"});
+    loader.next();
+    FAIL() << "no error";
+  } catch (const fd::WorkerError& e) {
+    std::string msg = e.what();
+    EXPECT_NE(msg.find("its init hook \"test_cuda_init\" initialized CUDA in the worker"),
+              std::string::npos)
+        << msg;
+  }
+}
+
+TEST(Loader, DeviceHandOffCopiesExactBytesAndReusesSlotsOnlyAfterTheCopy) {
+  // The test driver performs each async copy only when it completes, 15 ms later: a slot reused
+  // before its copy's event completed would put the next batch's bytes on the "device".
+  ::setenv("FAKE_CUDA_COPY_DELAY_MS", "15", 1);
+  ft::TempDir dir;
+  ::setenv("FAKE_CUDA_DEV_DIR", dir.path().c_str(), 1);
+  const auto& drv = init_cuda_here();
+  const fd::LoaderOptions base{.batch_size = 16, .workers = 2, .prefetch = 1, .seed = 8,
+                               .shuffle = true};
+  auto reference = hashes(base, 2);
+  auto o = base;
+  o.device.enabled = true;
+  fd::Loader loader(dataset(), noise(), o);
+  std::vector<uint64_t> got;
+  std::vector<char> host(16 * kBytes);
+  for (int e = 0; e < 2; ++e) {
+    while (auto b = loader.next()) {
+      ASSERT_EQ(b->placement(), fd::Placement::kDevice);
+      EXPECT_NE(b->stream(), 0u);
+      DLManagedTensor* t = b->images_dlpack();
+      EXPECT_EQ(t->dl_tensor.device.device_type, kDLCUDA);
+      t->deleter(t);
+      b->synchronize();
+      ASSERT_EQ(drv.api().cuMemcpyDtoH_v2(host.data(),
+                                          reinterpret_cast<forkguard::cuda::CUdeviceptr>(
+                                              b->images_data()),
+                                          b->images_bytes()),
+                forkguard::cuda::CUDA_SUCCESS);
+      uint64_t h = fnv(host.data(), b->images_bytes());
+      h = fnv(b->labels(), b->size() * sizeof(int64_t), h);
+      for (size_t i = 0; i < b->size(); ++i) h = fnv(b->key(i).data(), b->key(i).size(), h);
+      got.push_back(fnv(b->indices().data(), b->indices().size() * sizeof(size_t), h));
+    }
+  }
+  EXPECT_EQ(got, reference);
+  // Pinned once per slot, never per batch.
+  EXPECT_LE(loader.stats().slots, 6u);
+}
+
+int main(int argc, char** argv) {
+  forkguard::init(argc, argv);
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
