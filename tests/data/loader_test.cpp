@@ -443,6 +443,7 @@ TEST(Loader, ProcessWorkersFromTheForkServerWorkAfterThisProcessInitializedCuda)
   }
   forkguard::cuda::CUdeviceptr p;
   EXPECT_EQ(drv.api().cuMemAlloc_v2(&p, 64), forkguard::cuda::CUDA_SUCCESS);
+  EXPECT_EQ(drv.api().cuMemFree_v2(p), forkguard::cuda::CUDA_SUCCESS);
 }
 
 TEST(Loader, ProcessWorkerWhoseTransformInitializesCudaStopsNamingIt) {
@@ -464,6 +465,7 @@ TEST(Loader, ProcessWorkerWhoseTransformInitializesCudaStopsNamingIt) {
   EXPECT_EQ(delivered, 2u);
   forkguard::cuda::CUdeviceptr p;
   EXPECT_EQ(drv.api().cuMemAlloc_v2(&p, 64), forkguard::cuda::CUDA_SUCCESS);
+  EXPECT_EQ(drv.api().cuMemFree_v2(p), forkguard::cuda::CUDA_SUCCESS);
 }
 
 TEST(Loader, ProcessWorkerInitHookThatInitializesCudaIsNamed) {
