@@ -76,9 +76,8 @@ struct Run {
 Run measure(fd::WorkerKind kind, size_t workers, size_t batches, size_t batch_size) {
   auto ds = std::make_shared<PatternDataset>(batches * batch_size);
   auto tf = std::make_shared<fd::CopyTransform>(fd::OutputSpec{{3, 224, 224}});
-  fd::Loader loader(ds, tf,
-                    {.batch_size = batch_size, .workers = workers, .worker_kind = kind,
-                     .prefetch = 4});
+  fd::Loader loader(
+      ds, tf, {.batch_size = batch_size, .workers = workers, .worker_kind = kind, .prefetch = 4});
   Run r;
   // Warm-up epoch: workers started, slots created (and their pages touched once).
   while (auto b = loader.next()) {
@@ -93,8 +92,8 @@ Run measure(fd::WorkerKind kind, size_t workers, size_t batches, size_t batch_si
     (void)sum;
     bytes += b->images_bytes();
   }
-  r.gbps = static_cast<double>(bytes) / std::chrono::duration<double>(Clock::now() - t0).count() /
-           1e9;
+  r.gbps =
+      static_cast<double>(bytes) / std::chrono::duration<double>(Clock::now() - t0).count() / 1e9;
   // Consumer overhead: let the workers fill every slot, then take the waiting batches back to
   // back, timing the consumer thread's CPU in next() + release (not the time it is descheduled
   // while the workers it wakes take the cores).

@@ -30,8 +30,8 @@ using Clock = std::chrono::steady_clock;
 FORKGUARD_REGISTER_DATASET(test_flaky, [](const nlohmann::json& p) {
   auto bad = p.at("bad").get<std::vector<size_t>>();
   return std::make_unique<FlakyDataset>(
-      fd::SyntheticOptions{.size = p.at("size"), .sample_bytes = p.at("sample_bytes"),
-                           .seed = p.at("seed")},
+      fd::SyntheticOptions{
+          .size = p.at("size"), .sample_bytes = p.at("sample_bytes"), .seed = p.at("seed")},
       std::set<size_t>(bad.begin(), bad.end()));
 });
 FORKGUARD_REGISTER_TRANSFORM(test_noise, [](const nlohmann::json& p) {
@@ -160,7 +160,8 @@ TEST(Loader, SameBatchesForEveryWorkerCountAndKind) {
 }
 
 TEST(Loader, EpochsCanBeReplayedWithSetEpoch) {
-  fd::Loader loader(dataset(), noise(), {.batch_size = 32, .workers = 2, .seed = 1, .shuffle = true});
+  fd::Loader loader(dataset(), noise(),
+                    {.batch_size = 32, .workers = 2, .seed = 1, .shuffle = true});
   std::vector<uint64_t> first, again;
   while (auto b = loader.next()) first.push_back(hash_batch(*b));
   EXPECT_EQ(loader.epoch(), 1u);
@@ -319,8 +320,8 @@ TEST(Loader, WorkerInitHookRunsOncePerWorkerWithItsIdAndSeed) {
 // A hook for process workers: each writes its id to a file (the test cannot see their memory).
 static const bool g_hooks = [] {
   fd::register_worker_init("test_touch_file", [](const fd::WorkerInfo& info) {
-    std::ofstream(fmt::format("{}/worker-{}-of-{}", std::getenv("LOADER_TEST_DIR"), info.id,
-                              info.workers))
+    std::ofstream(
+        fmt::format("{}/worker-{}-of-{}", std::getenv("LOADER_TEST_DIR"), info.id, info.workers))
         << info.seed;
   });
   fd::register_worker_init("test_cuda_init", [](const fd::WorkerInfo&) {
@@ -336,8 +337,11 @@ TEST(Loader, ProcessWorkerInitHookAndRestartsWithoutPersistence) {
   ::setenv("LOADER_TEST_DIR", dir.path().c_str(), 1);
   for (auto start : {fd::ProcessStart::kFork}) {  // the zygote's environment predates setenv
     fd::Loader loader(dataset(), noise(),
-                      {.batch_size = 50, .workers = 2, .worker_kind = fd::WorkerKind::kProcess,
-                       .process_start = start, .persistent_workers = false,
+                      {.batch_size = 50,
+                       .workers = 2,
+                       .worker_kind = fd::WorkerKind::kProcess,
+                       .process_start = start,
+                       .persistent_workers = false,
                        .worker_init = "test_touch_file"});
     for (int e = 0; e < 2; ++e) {
       while (auto b = loader.next()) {
@@ -346,7 +350,8 @@ TEST(Loader, ProcessWorkerInitHookAndRestartsWithoutPersistence) {
     }
     EXPECT_EQ(loader.stats().worker_starts, 4u);
     EXPECT_EQ(loader.stats().worker_restarts, 2u);
-    EXPECT_EQ(ft::read_file(dir.path() + "/worker-1-of-2"), std::to_string(fd::sample_key(0, 1, 1, 1)));
+    EXPECT_EQ(ft::read_file(dir.path() + "/worker-1-of-2"),
+              std::to_string(fd::sample_key(0, 1, 1, 1)));
   }
 }
 
@@ -355,7 +360,9 @@ TEST(Loader, KilledProcessWorkerIsReportedWithinASecondAndNothingIsLeft) {
     const auto fds_before = ft::open_fds();
     {
       fd::Loader loader(dataset(), noise({.sleep_ms = 5}),
-                        {.batch_size = 4, .workers = 2, .worker_kind = fd::WorkerKind::kProcess,
+                        {.batch_size = 4,
+                         .workers = 2,
+                         .worker_kind = fd::WorkerKind::kProcess,
                          .process_start = start});
       ASSERT_TRUE(loader.next().has_value());
       auto pids = loader.worker_pids();
@@ -405,7 +412,9 @@ TEST(Loader, DestroyedMidEpochLeavesNothingBehind) {
 
 TEST(Loader, TimeoutNamesTheBatchAndTheWorker) {
   fd::Loader loader(dataset(), noise({.sleep_ms = 400}),
-                    {.batch_size = 4, .workers = 1, .worker_kind = fd::WorkerKind::kProcess,
+                    {.batch_size = 4,
+                     .workers = 1,
+                     .worker_kind = fd::WorkerKind::kProcess,
                      .timeout = std::chrono::milliseconds(200)});
   const auto t0 = Clock::now();
   try {
@@ -424,15 +433,19 @@ TEST(Loader, ProcessWorkersFromTheForkServerWorkAfterThisProcessInitializedCuda)
   const auto& drv = init_cuda_here();
   auto reference = hashes({.batch_size = 16, .seed = 4}, 1);
   for (auto start : {fd::ProcessStart::kAuto, fd::ProcessStart::kForkServer}) {
-    EXPECT_EQ(hashes({.batch_size = 16, .workers = 2, .worker_kind = fd::WorkerKind::kProcess,
-                      .process_start = start, .seed = 4},
+    EXPECT_EQ(hashes({.batch_size = 16,
+                      .workers = 2,
+                      .worker_kind = fd::WorkerKind::kProcess,
+                      .process_start = start,
+                      .seed = 4},
                      1),
               reference);
   }
   // A guarded fork from here is refused, with the evidence.
   try {
     fd::Loader loader(dataset(), noise(),
-                      {.workers = 2, .worker_kind = fd::WorkerKind::kProcess,
+                      {.workers = 2,
+                       .worker_kind = fd::WorkerKind::kProcess,
                        .process_start = fd::ProcessStart::kFork});
     loader.next();
     FAIL() << "forked workers from a CUDA-initialized process";
@@ -470,9 +483,9 @@ TEST(Loader, ProcessWorkerWhoseTransformInitializesCudaStopsNamingIt) {
 
 TEST(Loader, ProcessWorkerInitHookThatInitializesCudaIsNamed) {
   try {
-    fd::Loader loader(dataset(), noise(),
-                      {.workers = 1, .worker_kind = fd::WorkerKind::kProcess,
-                       .worker_init = "test_cuda_init"});
+    fd::Loader loader(
+        dataset(), noise(),
+        {.workers = 1, .worker_kind = fd::WorkerKind::kProcess, .worker_init = "test_cuda_init"});
     loader.next();
     FAIL() << "no error";
   } catch (const fd::WorkerError& e) {
@@ -490,8 +503,8 @@ TEST(Loader, DeviceHandOffCopiesExactBytesAndReusesSlotsOnlyAfterTheCopy) {
   ft::TempDir dir;
   ::setenv("FAKE_CUDA_DEV_DIR", dir.path().c_str(), 1);
   const auto& drv = init_cuda_here();
-  const fd::LoaderOptions base{.batch_size = 16, .workers = 2, .prefetch = 1, .seed = 8,
-                               .shuffle = true};
+  const fd::LoaderOptions base{
+      .batch_size = 16, .workers = 2, .prefetch = 1, .seed = 8, .shuffle = true};
   auto reference = hashes(base, 2);
   auto o = base;
   o.device.enabled = true;
@@ -506,10 +519,9 @@ TEST(Loader, DeviceHandOffCopiesExactBytesAndReusesSlotsOnlyAfterTheCopy) {
       EXPECT_EQ(t->dl_tensor.device.device_type, kDLCUDA);
       t->deleter(t);
       b->synchronize();
-      ASSERT_EQ(drv.api().cuMemcpyDtoH_v2(host.data(),
-                                          reinterpret_cast<forkguard::cuda::CUdeviceptr>(
-                                              b->images_data()),
-                                          b->images_bytes()),
+      ASSERT_EQ(drv.api().cuMemcpyDtoH_v2(
+                    host.data(), reinterpret_cast<forkguard::cuda::CUdeviceptr>(b->images_data()),
+                    b->images_bytes()),
                 forkguard::cuda::CUDA_SUCCESS);
       uint64_t h = fnv(host.data(), b->images_bytes());
       h = fnv(b->labels(), b->size() * sizeof(int64_t), h);

@@ -46,10 +46,10 @@ class FlakyDataset : public fd::Dataset {
 };
 
 struct NoiseOptions {
-  size_t bytes = 0;           // per sample (input and output)
-  int sleep_ms = 0;           // per sample: a slow transform
-  long cuda_at = -1;          // at this sample index, dlopen `driver` and cuInit
-  std::string driver{};       // the test driver's path
+  size_t bytes = 0;      // per sample (input and output)
+  int sleep_ms = 0;      // per sample: a slow transform
+  long cuda_at = -1;     // at this sample index, dlopen `driver` and cuInit
+  std::string driver{};  // the test driver's path
 };
 
 // Random per (seed, epoch, index): XORs the bytes with the sample's random stream and reverses
@@ -63,7 +63,8 @@ class NoiseTransform : public fd::Transform {
   }
   void apply(const fd::Sample& in, std::span<std::byte> out, fd::Rng& rng) const override {
     if (o_.sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(o_.sleep_ms));
-    if (o_.cuda_at >= 0 && in.key == fd::SyntheticDataset({}).key(static_cast<size_t>(o_.cuda_at))) {
+    if (o_.cuda_at >= 0 &&
+        in.key == fd::SyntheticDataset({}).key(static_cast<size_t>(o_.cuda_at))) {
       void* h = ::dlopen(o_.driver.c_str(), RTLD_NOW | RTLD_GLOBAL);
       if (h == nullptr) throw std::runtime_error(::dlerror());
       auto init = reinterpret_cast<forkguard::cuda::PFN_cuInit>(::dlsym(h, "cuInit"));
@@ -73,7 +74,8 @@ class NoiseTransform : public fd::Transform {
     for (size_t i = 0; i < out.size(); i += 8) {
       uint64_t r = rng.next();
       for (size_t k = 0; k < 8 && i + k < out.size(); ++k) {
-        out[i + k] = static_cast<std::byte>(in.data[i + k] ^ static_cast<unsigned char>(r >> (8 * k)));
+        out[i + k] =
+            static_cast<std::byte>(in.data[i + k] ^ static_cast<unsigned char>(r >> (8 * k)));
       }
     }
     if (rng.bernoulli(0.5)) std::reverse(out.begin(), out.end());

@@ -16,6 +16,7 @@ if [ $fake -eq 1 ]; then
   export FORKGUARD_CUDA_DRIVER=$build/lib/fake_cuda/libcuda.so.1
   export FORKGUARD_NVML_LIBRARY=$build/lib/fake_cuda/libnvidia-ml.so.1
   FAKE_CUDA_DEV_DIR=$(mktemp -d); export FAKE_CUDA_DEV_DIR
+  export FAKE_CUDA_COPY_DELAY_MS=2  # async copies really are asynchronous
   trap 'rm -rf "$FAKE_CUDA_DEV_DIR"' EXIT
   echo "tests/gpu: --fake: checking against the test driver"
 elif [ ! -e /dev/nvidiactl ] || ! ldconfig -p | grep -q 'libcuda.so.1 '; then
@@ -81,6 +82,12 @@ done
 check "notebook_style fork after cuInit refused" 3 "$?"
 out=$("$fg" run --quiet --nproc-per-node gpu --bind-gpus --no-prefix -- sh -c 'echo $CUDA_VISIBLE_DEVICES')
 check "--nproc-per-node gpu --bind-gpus: one GPU each" "$nranks" "$(sort -u <<<"$out" | wc -l)"
+
+# The loader: process workers from the fork server after the parent initialized CUDA, batches
+# copied to the GPU (pinned slots, async copies, events) and compared byte for byte.
+out=$("$build/bin/helpers/loader_gpu_check" 2>&1)
+echo "$out" | sed 's/^/    /'
+check "loader device hand-off" ok "$(grep -o '^loader-gpu [a-zA-Z]*' <<<"$out" | cut -d' ' -f2)"
 
 [ $fail -eq 0 ] && echo "tests/gpu: all checks passed" || echo "tests/gpu: FAILURES"
 exit $fail
