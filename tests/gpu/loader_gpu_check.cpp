@@ -29,8 +29,11 @@ int main(int argc, char** argv) {
     auto ds = std::make_shared<fd::SyntheticDataset>(
         fd::SyntheticOptions{.size = 512, .sample_bytes = 3 * 64 * 64, .seed = 3});
     auto tf = std::make_shared<fd::CopyTransform>(fd::OutputSpec{{3, 64, 64}});
-    fd::LoaderOptions o{.batch_size = 32, .workers = 2, .worker_kind = fd::WorkerKind::kProcess,
-                        .seed = 1, .shuffle = true};
+    fd::LoaderOptions o{.batch_size = 32,
+                        .workers = 2,
+                        .worker_kind = fd::WorkerKind::kProcess,
+                        .seed = 1,
+                        .shuffle = true};
     std::vector<std::vector<unsigned char>> expected;
     {
       fd::Loader host(ds, tf, o);
@@ -50,9 +53,8 @@ int main(int argc, char** argv) {
       while (auto b = loader.next()) {
         b->synchronize();
         back.resize(b->images_bytes());
-        drv.check(drv.api().cuMemcpyDtoH_v2(back.data(),
-                                            reinterpret_cast<CUdeviceptr>(b->images_data()),
-                                            back.size()),
+        drv.check(drv.api().cuMemcpyDtoH_v2(
+                      back.data(), reinterpret_cast<CUdeviceptr>(b->images_data()), back.size()),
                   "cuMemcpyDtoH_v2");
         if (n >= expected.size() || back != expected[n]) {
           fmt::print("loader-gpu FAIL batch {} of epoch {}: device bytes differ from the host's\n",

@@ -1,0 +1,65 @@
+// Datasets of image files on disk: torchvision's ImageFolder layout, and a file list.
+//
+//   forkguard::data::ImageFolder train("/data/imagenet/train");   // root/<class>/<file>
+//   forkguard::data::FileList val("/data/val.txt");              // "path label" per line
+//
+// ImageFolder follows torchvision: classes are the sorted names of root's subdirectories (label =
+// position), files are found recursively (symlinks followed) with torchvision's image extensions
+// (.jpg .jpeg .png .ppm .bmp .pgm .tif .tiff .webp, any case), sorted by directory then name.
+// FileList: one "path label" per line, paths relative to the list's directory unless absolute;
+// blank lines and lines starting with '#' are ignored. read() returns the file's bytes; the key is
+// its path. Both describe() themselves, so fork-server workers rebuild them (the scan happens
+// again there; it is deterministic for an unchanged tree).
+//
+// Errors (DataError, naming the path): a missing or unreadable root or list, a root without
+// class directories or without images, a malformed list line; at read(): an unreadable or
+// zero-byte file. Thread-safety: read() is const and may run concurrently.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "forkguard/data/dataset.hpp"
+
+namespace forkguard::data {
+
+struct ImageFile {
+  std::string path;
+  int64_t label = 0;
+};
+
+class FileDataset : public Dataset {
+ public:
+  size_t size() const override { return files_.size(); }
+  Sample read(size_t index) const override;
+  std::string key(size_t index) const override { return files_.at(index).path; }
+  const std::vector<ImageFile>& files() const { return files_; }
+
+ protected:
+  std::vector<ImageFile> files_;
+};
+
+class ImageFolder : public FileDataset {
+ public:
+  explicit ImageFolder(std::string root);
+  const std::vector<std::string>& classes() const { return classes_; }
+  std::optional<Description> describe() const override;
+
+ private:
+  std::string root_;
+  std::vector<std::string> classes_;
+};
+
+class FileList : public FileDataset {
+ public:
+  explicit FileList(std::string list);
+  std::optional<Description> describe() const override;
+
+ private:
+  std::string list_;
+};
+
+// The whole file; throws DataError naming the path (unreadable, zero bytes, larger than limit).
+std::vector<unsigned char> read_file_bytes(const std::string& path, size_t limit = size_t(1) << 31);
+
+}  // namespace forkguard::data

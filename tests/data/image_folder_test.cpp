@@ -1,0 +1,99 @@
+#include "forkguard/data/image_folder.hpp"
+
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "forkguard/data/error.hpp"
+#include "process.hpp"
+
+namespace fd = forkguard::data;
+namespace fs = std::filesystem;
+
+namespace {
+
+void write(const fs::path& p, const std::string& bytes) {
+  fs::create_directories(p.parent_path());
+  std::ofstream(p, std::ios::binary) << bytes;
+}
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const fd::DataError& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+}  // namespace
+
+TEST(ImageFolder, ClassesAndFilesAreOrderedAsTorchvisionDoes) {
+  forkguard::testing::TempDir dir;
+  fs::path root = fs::path(dir.path()) / "train";
+  write(root / "dog" / "b.jpg", "b");
+  write(root / "dog" / "a.JPEG", "a");
+  write(root / "dog" / "notes.txt", "ignored");
+  write(root / "dog" / "sub" / "c.png", "c");
+  write(root / "cat" / "z.png", "z");
+  write(root / "README", "not a class");
+  fd::ImageFolder ds(root.string());
+  EXPECT_EQ(ds.classes(), (std::vector<std::string>{"cat", "dog"}));
+  ASSERT_EQ(ds.size(), 4u);
+  EXPECT_EQ(ds.key(0), (root / "cat" / "z.png").string());
+  EXPECT_EQ(ds.key(1), (root / "dog" / "a.JPEG").string());
+  EXPECT_EQ(ds.key(2), (root / "dog" / "b.jpg").string());
+  EXPECT_EQ(ds.key(3), (root / "dog" / "sub" / "c.png").string());
+  auto s = ds.read(2);
+  EXPECT_EQ(std::string(s.data.begin(), s.data.end()), "b");
+  EXPECT_EQ(s.label, 1);
+  EXPECT_EQ(s.key, ds.key(2));
+  auto rebuilt = fd::make_dataset(*ds.describe());
+  EXPECT_EQ(rebuilt->key(3), ds.key(3));
+}
+
+TEST(ImageFolder, BadRootsAndFilesAreNamed) {
+  forkguard::testing::TempDir dir;
+  fs::path root = fs::path(dir.path());
+  EXPECT_NE(message_of([&] { fd::ImageFolder((root / "missing").string()); })
+                .find((root / "missing").string() + ": not a directory"),
+            std::string::npos);
+  fs::create_directories(root / "empty");
+  EXPECT_NE(message_of([&] { fd::ImageFolder((root / "empty").string()); }).find("no class directories"),
+            std::string::npos);
+  fs::create_directories(root / "noimg" / "a");
+  write(root / "noimg" / "a" / "x.txt", "x");
+  EXPECT_NE(message_of([&] { fd::ImageFolder((root / "noimg").string()); }).find("no image files"),
+            std::string::npos);
+  write(root / "ok" / "a" / "zero.jpg", "");
+  fd::ImageFolder ds((root / "ok").string());
+  EXPECT_EQ(message_of([&] { ds.read(0); }),
+            (root / "ok" / "a" / "zero.jpg").string() + ": empty file (0 bytes)");
+  if (::geteuid() != 0) {  // root reads anything
+    write(root / "ok" / "a" / "zero.jpg", "x");
+    ::chmod((root / "ok" / "a" / "zero.jpg").c_str(), 0);
+    EXPECT_NE(message_of([&] { ds.read(0); }).find("cannot open: Permission denied"),
+              std::string::npos);
+  }
+}
+
+TEST(FileList, PathsAreRelativeToTheListAndLinesAreChecked) {
+  forkguard::testing::TempDir dir;
+  fs::path root = fs::path(dir.path());
+  write(root / "img" / "a.jpg", "A");
+  write(root / "list.txt", "# comment\nimg/a.jpg 7\n\n" + (root / "img" / "a.jpg").string() + " 3\n");
+  fd::FileList ds((root / "list.txt").string());
+  ASSERT_EQ(ds.size(), 2u);
+  EXPECT_EQ(ds.read(0).label, 7);
+  EXPECT_EQ(ds.key(0), (root / "img" / "a.jpg").string());
+  EXPECT_EQ(ds.read(1).label, 3);
+  write(root / "bad.txt", "img/a.jpg seven\n");
+  EXPECT_EQ(message_of([&] { fd::FileList((root / "bad.txt").string()); }),
+            (root / "bad.txt").string() + ":1: expected \"path label\", got \"img/a.jpg seven\"");
+  write(root / "none.txt", "\n# nothing\n");
+  EXPECT_NE(message_of([&] { fd::FileList((root / "none.txt").string()); }).find("no samples listed"),
+            std::string::npos);
+}
