@@ -23,7 +23,7 @@ bool is_image(const fs::path& p) {
   std::string ext = p.extension().string();
   std::transform(ext.begin(), ext.end(), ext.begin(),
                  [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  static const char* const kExtensions[] = {".jpg", ".jpeg", ".png", ".ppm", ".bmp",
+  static const char* const kExtensions[] = {".jpg", ".jpeg", ".png",  ".ppm", ".bmp",
                                             ".pgm", ".tif",  ".tiff", ".webp"};
   return std::any_of(std::begin(kExtensions), std::end(kExtensions),
                      [&](const char* e) { return ext == e; });
@@ -41,8 +41,8 @@ std::vector<unsigned char> read_file_bytes(const std::string& path, size_t limit
   if (!S_ISREG(st.st_mode)) throw DataError(fmt::format("{}: not a regular file", path));
   if (st.st_size == 0) throw DataError(fmt::format("{}: empty file (0 bytes)", path));
   if (static_cast<size_t>(st.st_size) > limit) {
-    throw DataError(fmt::format("{}: {} bytes, more than the {}-byte limit", path, st.st_size,
-                                limit));
+    throw DataError(
+        fmt::format("{}: {} bytes, more than the {}-byte limit", path, st.st_size, limit));
   }
   std::vector<unsigned char> out(static_cast<size_t>(st.st_size));
   size_t done = 0;
@@ -75,8 +75,8 @@ ImageFolder::ImageFolder(std::string root) : root_(std::move(root)) {
   if (ec) throw DataError(fmt::format("{}: cannot list: {}", root_, ec.message()));
   std::sort(classes_.begin(), classes_.end());
   if (classes_.empty()) {
-    throw DataError(fmt::format("{}: no class directories (ImageFolder expects root/<class>/<image>)",
-                                root_));
+    throw DataError(
+        fmt::format("{}: no class directories (ImageFolder expects root/<class>/<image>)", root_));
   }
   for (size_t c = 0; c < classes_.size(); ++c) {
     std::vector<std::string> found;

@@ -58,12 +58,14 @@ TEST(ImageFolder, ClassesAndFilesAreOrderedAsTorchvisionDoes) {
 TEST(ImageFolder, BadRootsAndFilesAreNamed) {
   forkguard::testing::TempDir dir;
   fs::path root = fs::path(dir.path());
-  EXPECT_NE(message_of([&] { fd::ImageFolder((root / "missing").string()); })
-                .find((root / "missing").string() + ": not a directory"),
+  EXPECT_NE(message_of([&] {
+              fd::ImageFolder((root / "missing").string());
+            }).find((root / "missing").string() + ": not a directory"),
             std::string::npos);
   fs::create_directories(root / "empty");
-  EXPECT_NE(message_of([&] { fd::ImageFolder((root / "empty").string()); }).find("no class directories"),
-            std::string::npos);
+  EXPECT_NE(
+      message_of([&] { fd::ImageFolder((root / "empty").string()); }).find("no class directories"),
+      std::string::npos);
   fs::create_directories(root / "noimg" / "a");
   write(root / "noimg" / "a" / "x.txt", "x");
   EXPECT_NE(message_of([&] { fd::ImageFolder((root / "noimg").string()); }).find("no image files"),
@@ -84,7 +86,8 @@ TEST(FileList, PathsAreRelativeToTheListAndLinesAreChecked) {
   forkguard::testing::TempDir dir;
   fs::path root = fs::path(dir.path());
   write(root / "img" / "a.jpg", "A");
-  write(root / "list.txt", "# comment\nimg/a.jpg 7\n\n" + (root / "img" / "a.jpg").string() + " 3\n");
+  write(root / "list.txt",
+        "# comment\nimg/a.jpg 7\n\n" + (root / "img" / "a.jpg").string() + " 3\n");
   fd::FileList ds((root / "list.txt").string());
   ASSERT_EQ(ds.size(), 2u);
   EXPECT_EQ(ds.read(0).label, 7);
@@ -94,6 +97,7 @@ TEST(FileList, PathsAreRelativeToTheListAndLinesAreChecked) {
   EXPECT_EQ(message_of([&] { fd::FileList((root / "bad.txt").string()); }),
             (root / "bad.txt").string() + ":1: expected \"path label\", got \"img/a.jpg seven\"");
   write(root / "none.txt", "\n# nothing\n");
-  EXPECT_NE(message_of([&] { fd::FileList((root / "none.txt").string()); }).find("no samples listed"),
-            std::string::npos);
+  EXPECT_NE(
+      message_of([&] { fd::FileList((root / "none.txt").string()); }).find("no samples listed"),
+      std::string::npos);
 }

@@ -1,0 +1,16 @@
+// Antialiased bilinear resampling of a box of an 8-bit RGB image, computed as Pillow's
+// Image.resize(size, BILINEAR, box) computes it: separable triangle filter whose support grows
+// with the downscaling factor, horizontal pass first (rounded to 8 bits), then vertical.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "data/image/decode.hpp"
+
+namespace forkguard::data::image {
+
+// Resamples `box` of the w x h RGB image `src` to out_w x out_h RGB into `dst`.
+void resample(const uint8_t* src, int w, int h, const Box& box, int out_w, int out_h, uint8_t* dst);
+
+}  // namespace forkguard::data::image
