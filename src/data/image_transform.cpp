@@ -19,7 +19,7 @@ uint16_t to_half(float f) {
   int32_t exp = static_cast<int32_t>((x >> 23) & 0xff) - 127 + 15;
   uint32_t mant = x & 0x7fffffu;
   if (exp >= 31) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow (inputs are finite)
-  if (exp <= 0) {                                                 // subnormal or zero
+  if (exp <= 0) {                                               // subnormal or zero
     if (exp < -10) return static_cast<uint16_t>(sign);
     mant |= 0x800000u;
     const uint32_t shift = static_cast<uint32_t>(14 - exp);
@@ -63,8 +63,8 @@ std::array<int, 4> random_resized_crop_box(int width, int height, const ImageOpt
 
 ImageTransform::ImageTransform(ImageOptions o) : options_(o) {
   if (o.size <= 0 || (!o.train && o.resize < o.size)) {
-    throw DataError(fmt::format("ImageTransform: size {} / resize {} make no sense", o.size,
-                                o.resize));
+    throw DataError(
+        fmt::format("ImageTransform: size {} / resize {} make no sense", o.size, o.resize));
   }
   if (o.dtype != DType::kFloat32 && o.dtype != DType::kFloat16 && o.dtype != DType::kUInt8) {
     throw DataError("ImageTransform: dtype must be float32, float16 or uint8");
@@ -89,8 +89,8 @@ void ImageTransform::apply(const Sample& in, std::span<std::byte> out, Rng& rng)
     if (o.train) {
       auto [x, y, cw, ch] = random_resized_crop_box(w, h, o, rng);
       flip = rng.bernoulli(o.flip);
-      return image::Box{static_cast<double>(x), static_cast<double>(y),
-                        static_cast<double>(x + cw), static_cast<double>(y + ch)};
+      return image::Box{static_cast<double>(x), static_cast<double>(y), static_cast<double>(x + cw),
+                        static_cast<double>(y + ch)};
     }
     // Resize(shorter side = resize), then CenterCrop(size): the box of the original that the
     // center crop of the resized image covers (Pillow resamples a box exactly so).
@@ -107,17 +107,17 @@ void ImageTransform::apply(const Sample& in, std::span<std::byte> out, Rng& rng)
   rgb.resize(static_cast<size_t>(n) * n * 3);
   image::resample(region.rgb.data(), region.width, region.height, region.box, n, n, rgb.data());
   const size_t plane = static_cast<size_t>(n) * n;
-  auto src_at = [&](int y, int x) -> const uint8_t* {
-    return &rgb[(static_cast<size_t>(y) * n + static_cast<size_t>(flip ? n - 1 - x : x)) * 3];
-  };
+  // Row by row; a flip reads the row backwards. Float outputs go through a per-channel table of
+  // the 256 normalized values (exactly (v / 255 - mean) / std, computed once per call).
   if (o.dtype == DType::kUInt8) {
     auto* dst = reinterpret_cast<uint8_t*>(out.data());
     for (int y = 0; y < n; ++y) {
+      const uint8_t* row = &rgb[static_cast<size_t>(y) * n * 3];
       for (int x = 0; x < n; ++x) {
-        const uint8_t* p = src_at(y, x);
-        const size_t i = static_cast<size_t>(y) * n + x;
+        const uint8_t* p = row + 3 * static_cast<size_t>(flip ? n - 1 - x : x);
+        const size_t i = static_cast<size_t>(y) * n + static_cast<size_t>(x);
         if (o.layout == Layout::kNHWC) {
-          std::memcpy(dst + 3 * i, p, 3);
+          dst[3 * i] = p[0], dst[3 * i + 1] = p[1], dst[3 * i + 2] = p[2];
         } else {
           dst[i] = p[0], dst[plane + i] = p[1], dst[2 * plane + i] = p[2];
         }
@@ -125,23 +125,40 @@ void ImageTransform::apply(const Sample& in, std::span<std::byte> out, Rng& rng)
     }
     return;
   }
-  float scale[3], bias[3];
+  float lut[3][256];
   for (int c = 0; c < 3; ++c) {
-    scale[c] = 1.0f / (255.0f * o.std[static_cast<size_t>(c)]);
-    bias[c] = -o.mean[static_cast<size_t>(c)] / o.std[static_cast<size_t>(c)];
+    const float mean = o.mean[static_cast<size_t>(c)], sd = o.std[static_cast<size_t>(c)];
+    for (int v = 0; v < 256; ++v) lut[c][v] = (static_cast<float>(v) / 255.0f - mean) / sd;
   }
-  for (int y = 0; y < n; ++y) {
-    for (int x = 0; x < n; ++x) {
-      const uint8_t* p = src_at(y, x);
-      const size_t i = static_cast<size_t>(y) * n + x;
-      for (int c = 0; c < 3; ++c) {
-        const float v = p[c] * scale[c] + bias[c];
-        if (o.dtype == DType::kFloat32) {
-          reinterpret_cast<float*>(out.data())[static_cast<size_t>(c) * plane + i] = v;
-        } else {
-          reinterpret_cast<uint16_t*>(out.data())[static_cast<size_t>(c) * plane + i] = to_half(v);
-        }
+  if (o.dtype == DType::kFloat32) {
+    auto* dst = reinterpret_cast<float*>(out.data());
+    for (int y = 0; y < n; ++y) {
+      const uint8_t* row = &rgb[static_cast<size_t>(y) * n * 3];
+      float* d0 = dst + static_cast<size_t>(y) * n;
+      float* d1 = d0 + plane;
+      float* d2 = d1 + plane;
+      for (int x = 0; x < n; ++x) {
+        const uint8_t* p = row + 3 * static_cast<size_t>(flip ? n - 1 - x : x);
+        d0[x] = lut[0][p[0]];
+        d1[x] = lut[1][p[1]];
+        d2[x] = lut[2][p[2]];
       }
+    }
+    return;
+  }
+  uint16_t half[3][256];
+  for (int c = 0; c < 3; ++c) {
+    for (int v = 0; v < 256; ++v) half[c][v] = to_half(lut[c][v]);
+  }
+  auto* dst = reinterpret_cast<uint16_t*>(out.data());
+  for (int y = 0; y < n; ++y) {
+    const uint8_t* row = &rgb[static_cast<size_t>(y) * n * 3];
+    uint16_t* d0 = dst + static_cast<size_t>(y) * n;
+    for (int x = 0; x < n; ++x) {
+      const uint8_t* p = row + 3 * static_cast<size_t>(flip ? n - 1 - x : x);
+      d0[x] = half[0][p[0]];
+      d0[plane + static_cast<size_t>(x)] = half[1][p[1]];
+      d0[2 * plane + static_cast<size_t>(x)] = half[2][p[2]];
     }
   }
 }

@@ -76,8 +76,8 @@ std::vector<uint8_t> encode_png(const void* pixels, int w, int h, uint32_t forma
 
 fi::Region decode(const std::vector<uint8_t>& bytes, fi::Box box, int out, bool crop_aware = true,
                   uint64_t max_pixels = 100'000'000) {
-  return fi::decode(bytes.data(), bytes.size(), "test.jpg",
-                    {max_pixels, out, out, crop_aware}, [&](int, int) { return box; });
+  return fi::decode(bytes.data(), bytes.size(), "test.jpg", {max_pixels, out, out, crop_aware},
+                    [&](int, int) { return box; });
 }
 
 std::vector<uint8_t> resampled(const fi::Region& r, int out) {
@@ -132,15 +132,18 @@ TEST(ImageDecode, GrayJpegAndPngFormatsBecomeRgb) {
   // PNG: 8-bit gray+alpha, RGBA (alpha dropped, not composited), 16-bit RGB.
   std::vector<uint8_t> ga(static_cast<size_t>(w) * h * 2, 0);
   for (size_t i = 0; i < ga.size(); i += 2) ga[i] = 77;  // alpha 0: still 77, as Pillow keeps it
-  auto r = fi::decode(encode_png(ga.data(), w, h, PNG_FORMAT_GA).data(),
-                      encode_png(ga.data(), w, h, PNG_FORMAT_GA).size(), "ga.png", {},
-                      [](int, int) { return fi::Box{0, 0, 64, 48}; });
+  auto r =
+      fi::decode(encode_png(ga.data(), w, h, PNG_FORMAT_GA).data(),
+                 encode_png(ga.data(), w, h, PNG_FORMAT_GA).size(), "ga.png", {}, [](int, int) {
+                   return fi::Box{0, 0, 64, 48};
+                 });
   EXPECT_EQ(r.rgb[0], 77);
   EXPECT_EQ(r.rgb[1], 77);
   std::vector<uint16_t> deep(static_cast<size_t>(w) * h * 3, 0xffff);
   auto bytes = encode_png(deep.data(), w, h, PNG_FORMAT_RGB | PNG_FORMAT_FLAG_LINEAR);
-  auto d = fi::decode(bytes.data(), bytes.size(), "deep.png", {},
-                      [](int, int) { return fi::Box{0, 0, 64, 48}; });
+  auto d = fi::decode(bytes.data(), bytes.size(), "deep.png", {}, [](int, int) {
+    return fi::Box{0, 0, 64, 48};
+  });
   EXPECT_EQ(d.rgb[5], 255);
 }
 
@@ -148,14 +151,20 @@ TEST(ImageDecode, BadInputIsNamedAndBombsAreRefusedBeforeDecoding) {
   auto jpg = encode_jpeg(picture(320, 240), 320, 240);
   EXPECT_EQ(message_of([&] { decode({}, {0, 0, 1, 1}, 8); }), "test.jpg: empty file (0 bytes)");
   std::vector<uint8_t> text = {'h', 'e', 'l', 'l', 'o'};
-  EXPECT_EQ(message_of([&] { decode(text, {0, 0, 1, 1}, 8); }),
+  EXPECT_EQ(message_of([&] {
+              decode(text, {0, 0, 1, 1}, 8);
+            }),
             "test.jpg: not an image (neither JPEG nor PNG)");
   std::vector<uint8_t> cut(jpg.begin(), jpg.begin() + static_cast<long>(jpg.size() / 2));
-  EXPECT_EQ(message_of([&] { decode(cut, {0, 0, 320, 240}, 64, false); }),
+  EXPECT_EQ(message_of([&] {
+              decode(cut, {0, 0, 320, 240}, 64, false);
+            }),
             "test.jpg: corrupt JPEG: truncated JPEG (premature end of data)");
   std::vector<uint8_t> garbage = jpg;
   for (size_t i = 4; i < 200; ++i) garbage[i] = 0x5a;  // the SOI and a marker byte kept
-  EXPECT_NE(message_of([&] { decode(garbage, {0, 0, 320, 240}, 64); }).find("test.jpg: corrupt JPEG: "),
+  EXPECT_NE(message_of([&] {
+              decode(garbage, {0, 0, 320, 240}, 64);
+            }).find("test.jpg: corrupt JPEG: "),
             std::string::npos);
   // A header claiming 60000 x 60000: refused from the header, nothing allocated.
   std::vector<uint8_t> bomb = jpg;
@@ -165,14 +174,17 @@ TEST(ImageDecode, BadInputIsNamedAndBombsAreRefusedBeforeDecoding) {
       break;
     }
   }
-  EXPECT_EQ(message_of([&] { decode(bomb, {0, 0, 1, 1}, 8); }),
+  EXPECT_EQ(message_of([&] {
+              decode(bomb, {0, 0, 1, 1}, 8);
+            }),
             "test.jpg: 60000x60000 = 3600000000 pixels, more than max_pixels (100000000); "
             "refusing to decode (a decompression bomb?)");
   auto png = encode_png(picture(32, 32).data(), 32, 32, PNG_FORMAT_RGB);
   png[40] ^= 0xff;  // inside IDAT: a bad checksum or bad data
   EXPECT_NE(message_of([&] {
-              fi::decode(png.data(), png.size(), "x.png", {},
-                         [](int, int) { return fi::Box{0, 0, 32, 32}; });
+              fi::decode(png.data(), png.size(), "x.png", {}, [](int, int) {
+                return fi::Box{0, 0, 32, 32};
+              });
             }).find("x.png: corrupt PNG"),
             std::string::npos);
 }
@@ -206,7 +218,8 @@ TEST(ImageTransform, EvalCentersAndNormalizesAndFlipIsAMirror) {
   const int w = 400, h = 300;
   auto jpg = encode_jpeg(picture(w, h), w, h);
   fd::Sample s{jpg, 0, "pic.jpg"};
-  fd::ImageTransform eval_u8({.train = false, .dtype = fd::DType::kUInt8, .layout = fd::Layout::kNHWC});
+  fd::ImageTransform eval_u8(
+      {.train = false, .dtype = fd::DType::kUInt8, .layout = fd::Layout::kNHWC});
   std::vector<std::byte> out(eval_u8.output().bytes());
   fd::Rng rng(0, 0, 0);
   eval_u8.apply(s, out, rng);
@@ -222,8 +235,13 @@ TEST(ImageTransform, EvalCentersAndNormalizesAndFlipIsAMirror) {
   EXPECT_NEAR(fp[112 * 224 + 112], (px[0] / 255.0 - 0.485) / 0.229, 1e-4);
   EXPECT_NEAR(fp[224 * 224 + 112 * 224 + 112], (px[1] / 255.0 - 0.456) / 0.224, 1e-4);
   // Train with flip always / never, full-image crops: mirrored.
-  fd::ImageOptions always{.train = true, .scale_min = 1, .ratio_min = 4.0 / 3, .ratio_max = 4.0 / 3,
-                          .flip = 1.0, .dtype = fd::DType::kUInt8, .layout = fd::Layout::kNHWC};
+  fd::ImageOptions always{.train = true,
+                          .scale_min = 1,
+                          .ratio_min = 4.0 / 3,
+                          .ratio_max = 4.0 / 3,
+                          .flip = 1.0,
+                          .dtype = fd::DType::kUInt8,
+                          .layout = fd::Layout::kNHWC};
   auto never = always;
   never.flip = 0.0;
   std::vector<std::byte> a(eval_u8.output().bytes()), b(a.size());

@@ -26,14 +26,14 @@ struct ImageOptions {
   int size = 224;                            // output height and width
   double scale_min = 0.08, scale_max = 1.0;  // RandomResizedCrop's scale
   double ratio_min = 3.0 / 4.0, ratio_max = 4.0 / 3.0;  // ... and aspect ratio
-  double flip = 0.5;                         // RandomHorizontalFlip's p (train)
-  int resize = 256;                          // eval: the shorter side before CenterCrop
-  std::array<float, 3> mean{0.485f, 0.456f, 0.406f};  // Normalize (float outputs)
+  double flip = 0.5;                                    // RandomHorizontalFlip's p (train)
+  int resize = 256;                                     // eval: the shorter side before CenterCrop
+  std::array<float, 3> mean{0.485f, 0.456f, 0.406f};    // Normalize (float outputs)
   std::array<float, 3> std{0.229f, 0.224f, 0.225f};
-  DType dtype = DType::kFloat32;             // kFloat32, kFloat16 or kUInt8
-  Layout layout = Layout::kNCHW;             // kNCHW; kNHWC for uint8 only
-  uint64_t max_pixels = 100'000'000;         // refuse larger images before allocating
-  bool crop_aware = true;                    // false: full-size decode (for comparisons)
+  DType dtype = DType::kFloat32;      // kFloat32, kFloat16 or kUInt8
+  Layout layout = Layout::kNCHW;      // kNCHW; kNHWC for uint8 only
+  uint64_t max_pixels = 100'000'000;  // refuse larger images before allocating
+  bool crop_aware = true;             // false: full-size decode (for comparisons)
 };
 
 class ImageTransform : public Transform {

@@ -51,9 +51,10 @@ bool is_png(const uint8_t* d, size_t n) {
 void check_pixels(const std::string& name, uint64_t w, uint64_t h, uint64_t max) {
   if (w == 0 || h == 0) throw DataError(fmt::format("{}: image has no pixels ({}x{})", name, w, h));
   if (w * h > max) {
-    throw DataError(fmt::format("{}: {}x{} = {} pixels, more than max_pixels ({}); refusing to "
-                                "decode (a decompression bomb?)",
-                                name, w, h, w * h, max));
+    throw DataError(
+        fmt::format("{}: {}x{} = {} pixels, more than max_pixels ({}); refusing to "
+                    "decode (a decompression bomb?)",
+                    name, w, h, w * h, max));
   }
 }
 
@@ -125,7 +126,8 @@ Region decode_jpeg(const uint8_t* data, size_t size, const std::string& name,
   buf.resize(static_cast<size_t>(rw) * static_cast<size_t>(rh) * static_cast<size_t>(comps));
   if (cy0 > 0) jpeg_skip_scanlines(&cinfo, static_cast<JDIMENSION>(cy0));
   rows.resize(static_cast<size_t>(rh));
-  for (int y = 0; y < rh; ++y) rows[static_cast<size_t>(y)] = buf.data() + static_cast<size_t>(y) * rw * comps;
+  for (int y = 0; y < rh; ++y)
+    rows[static_cast<size_t>(y)] = buf.data() + static_cast<size_t>(y) * rw * comps;
   while (cinfo.output_scanline < static_cast<JDIMENSION>(cy1)) {
     const int done = static_cast<int>(cinfo.output_scanline) - cy0;
     jpeg_read_scanlines(&cinfo, rows.data() + done, static_cast<JDIMENSION>(rh - done));
@@ -149,8 +151,8 @@ Region decode_jpeg(const uint8_t* data, size_t size, const std::string& name,
   return r;
 }
 
-Region decode_png(const uint8_t* data, size_t size, const std::string& name,
-                  const DecodeOptions& o, const std::function<Box(int, int)>& choose_box) {
+Region decode_png(const uint8_t* data, size_t size, const std::string& name, const DecodeOptions& o,
+                  const std::function<Box(int, int)>& choose_box) {
   png_image img{};
   img.version = PNG_IMAGE_VERSION;
   if (png_image_begin_read_from_memory(&img, data, size) == 0) {

@@ -30,7 +30,7 @@ struct DecodeOptions {
   uint64_t max_pixels = 100'000'000;  // a header claiming more is refused before any allocation
   int out_width = 224;                // the size the box is resampled to: bounds the DCT scaling
   int out_height = 224;
-  bool crop_aware = true;             // false: decode every pixel at full size (the ceiling)
+  bool crop_aware = true;  // false: decode every pixel at full size (the ceiling)
 };
 
 // Decodes what `choose_box(width, height)` needs (it gets the full size from the header).

@@ -6,10 +6,15 @@
 namespace forkguard::data::image {
 namespace {
 
+// Weights in fixed point, as Pillow computes 8-bit images (its PRECISION_BITS is 22 with 32-bit
+// sums of 8-bit pixels; 14 bits keep every sum in int32 here too).
+constexpr int kBits = 14;
+
 struct Taps {
-  std::vector<int> first;     // first input index, per output index
-  std::vector<int> count;     // taps, per output index
-  std::vector<float> weight;  // `stride` weights per output index
+  std::vector<int> first;      // first input index, per output index
+  std::vector<int> count;      // taps, per output index
+  std::vector<float> weight;   // `stride` weights per output index
+  std::vector<int32_t> fixed;  // the same, scaled by 2^kBits and rounded
   int stride = 0;
 };
 
@@ -43,12 +48,16 @@ Taps taps(double in0, double in1, int in_size, int out_size) {
     t.first[static_cast<size_t>(xx)] = xmin;
     t.count[static_cast<size_t>(xx)] = std::max(xmax, 0);
   }
+  t.fixed.resize(t.weight.size());
+  for (size_t i = 0; i < t.weight.size(); ++i) {
+    t.fixed[i] = static_cast<int32_t>(std::lround(t.weight[i] * (1 << kBits)));
+  }
   return t;
 }
 
-inline uint8_t clip8(float v) {
-  int i = static_cast<int>(v + 0.5f);
-  return static_cast<uint8_t>(std::clamp(i, 0, 255));
+inline uint8_t clip8(int32_t acc) {
+  int32_t v = (acc + (1 << (kBits - 1))) >> kBits;
+  return static_cast<uint8_t>(v < 0 ? 0 : (v > 255 ? 255 : v));
 }
 
 }  // namespace
@@ -68,9 +77,9 @@ void resample(const uint8_t* src, int w, int h, const Box& box, int out_w, int o
     const uint8_t* in = src + static_cast<size_t>(y) * w * 3;
     uint8_t* out = &mid[static_cast<size_t>(y - row0) * out_w * 3];
     for (int x = 0; x < out_w; ++x) {
-      const float* k = &tx.weight[static_cast<size_t>(x) * tx.stride];
+      const int32_t* k = &tx.fixed[static_cast<size_t>(x) * tx.stride];
       const uint8_t* p = in + static_cast<size_t>(tx.first[static_cast<size_t>(x)]) * 3;
-      float r = 0, g = 0, b = 0;
+      int32_t r = 0, g = 0, b = 0;
       for (int i = 0, n = tx.count[static_cast<size_t>(x)]; i < n; ++i) {
         r += k[i] * p[3 * i];
         g += k[i] * p[3 * i + 1];
@@ -82,15 +91,16 @@ void resample(const uint8_t* src, int w, int h, const Box& box, int out_w, int o
     }
   }
   const size_t row = static_cast<size_t>(out_w) * 3;
-  std::vector<float> acc(row);
+  std::vector<int32_t> acc(row);
   for (int y = 0; y < out_h; ++y) {
-    std::fill(acc.begin(), acc.end(), 0.f);
-    const float* k = &ty.weight[static_cast<size_t>(y) * ty.stride];
+    std::fill(acc.begin(), acc.end(), 0);
+    const int32_t* k = &ty.fixed[static_cast<size_t>(y) * ty.stride];
     const int first = ty.first[static_cast<size_t>(y)];
     for (int i = 0, n = ty.count[static_cast<size_t>(y)]; i < n; ++i) {
       const uint8_t* in = &mid[static_cast<size_t>(first + i - row0) * row];
-      const float wgt = k[i];
-      for (size_t j = 0; j < row; ++j) acc[j] += wgt * in[j];
+      const int32_t wgt = k[i];
+      int32_t* a = acc.data();
+      for (size_t j = 0; j < row; ++j) a[j] += wgt * in[j];
     }
     uint8_t* out = dst + static_cast<size_t>(y) * row;
     for (size_t j = 0; j < row; ++j) out[j] = clip8(acc[j]);

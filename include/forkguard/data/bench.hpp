@@ -1,0 +1,53 @@
+// The loader benchmarks behind `forkguard bench loader` and `forkguard bench decode`: the
+// standard training pipeline (decode -> RandomResizedCrop 224 -> flip -> normalize) over image
+// files, and the full-size decode-only rate of the same files (the ceiling).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "forkguard/data/loader.hpp"
+
+namespace forkguard::data {
+
+enum class DatasetFormat { kImageFolder, kFileList, kWebDataset };
+
+struct LoaderBenchOptions {
+  std::string data;                                 // a directory, or the list file
+  DatasetFormat format = DatasetFormat::kImageFolder;
+  size_t workers = 2;
+  WorkerKind worker_kind = WorkerKind::kThread;
+  size_t batch_size = 64;
+  int epochs = 3;
+  DType dtype = DType::kFloat32;                    // kFloat32 (normalized) or kUInt8
+  BadSample bad_sample = BadSample::kError;
+  uint64_t seed = 0;
+  bool digest = false;                              // hash every batch, in delivery order
+  // Called after each batch with (images so far, images in all epochs).
+  std::function<void(uint64_t done, uint64_t total)> progress{};
+};
+
+struct LoaderBenchResult {
+  double images_per_second = 0;    // after the first batch
+  double first_batch_seconds = 0;  // from the loader's construction
+  uint64_t peak_rss_bytes = 0;     // of this process (workers' own memory is shared slots)
+  uint64_t images = 0;
+  uint64_t skipped = 0;
+  std::string digest;              // hex FNV-1a 64 of every batch's images and labels; "" if off
+  LoaderStats stats;
+};
+
+LoaderBenchResult run_loader_bench(const LoaderBenchOptions& options);
+
+struct DecodeBenchResult {
+  double images_per_second = 0;
+  double megapixels_per_second = 0;
+  uint64_t images = 0;
+  size_t threads = 0;
+};
+
+// Full-size decode of every file (read into memory first), on `threads` threads.
+DecodeBenchResult run_decode_bench(const std::string& data, DatasetFormat format, size_t threads);
+
+}  // namespace forkguard::data

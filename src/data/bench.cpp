@@ -1,0 +1,119 @@
+#include "forkguard/data/bench.hpp"
+
+#include <fmt/format.h>
+#include <sys/resource.h>
+
+#include <atomic>
+#include <exception>
+#include <mutex>
+#include <chrono>
+#include <thread>
+
+#include "data/image/decode.hpp"
+#include "forkguard/data/image_folder.hpp"
+#include "forkguard/data/image_transform.hpp"
+
+namespace forkguard::data {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::shared_ptr<FileDataset> open_dataset(const std::string& data, DatasetFormat format) {
+  switch (format) {
+    case DatasetFormat::kImageFolder: return std::make_shared<ImageFolder>(data);
+    case DatasetFormat::kFileList: return std::make_shared<FileList>(data);
+    case DatasetFormat::kWebDataset:
+      throw DataError("the WebDataset (tar shard) format is not implemented yet");
+  }
+  throw DataError("unknown dataset format");
+}
+
+uint64_t fnv(const void* data, size_t n, uint64_t h) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+
+}  // namespace
+
+LoaderBenchResult run_loader_bench(const LoaderBenchOptions& o) {
+  auto ds = open_dataset(o.data, o.format);
+  auto tf = std::make_shared<ImageTransform>(ImageOptions{.train = true, .dtype = o.dtype});
+  const auto t0 = Clock::now();
+  Loader loader(ds, tf,
+                LoaderOptions{.batch_size = o.batch_size,
+                              .workers = o.workers,
+                              .worker_kind = o.worker_kind,
+                              .bad_sample = o.bad_sample,
+                              .seed = o.seed,
+                              .shuffle = true});
+  LoaderBenchResult r;
+  const uint64_t total = static_cast<uint64_t>(o.epochs) * loader.size() * o.batch_size;
+  uint64_t h = 1469598103934665603ull;
+  Clock::time_point first{};
+  uint64_t after_first = 0;
+  for (int e = 0; e < o.epochs; ++e) {
+    while (auto b = loader.next()) {
+      if (r.images == 0) {
+        first = Clock::now();
+        r.first_batch_seconds = std::chrono::duration<double>(first - t0).count();
+      } else {
+        after_first += b->size();
+      }
+      r.images += b->size();
+      if (o.digest) {
+        h = fnv(b->images_data(), b->images_bytes(), h);
+        h = fnv(b->labels(), b->size() * sizeof(int64_t), h);
+      }
+      if (o.progress) o.progress(r.images, total);
+    }
+  }
+  const double steady = std::chrono::duration<double>(Clock::now() - first).count();
+  r.images_per_second = steady > 0 ? static_cast<double>(after_first) / steady : 0;
+  rusage ru{};
+  ::getrusage(RUSAGE_SELF, &ru);
+  r.peak_rss_bytes = static_cast<uint64_t>(ru.ru_maxrss) * 1024;
+  r.stats = loader.stats();
+  r.skipped = r.stats.skipped;
+  if (o.digest) r.digest = fmt::format("{:016x}", h);
+  return r;
+}
+
+DecodeBenchResult run_decode_bench(const std::string& data, DatasetFormat format, size_t threads) {
+  auto ds = open_dataset(data, format);
+  std::vector<std::vector<unsigned char>> files;
+  files.reserve(ds->size());
+  for (size_t i = 0; i < ds->size(); ++i) files.push_back(read_file_bytes(ds->key(i)));
+  threads = std::max<size_t>(1, threads);
+  std::atomic<size_t> next{0};
+  std::atomic<uint64_t> pixels{0};
+  std::vector<std::thread> pool;
+  std::exception_ptr failure;
+  std::mutex failure_mutex;
+  const auto t0 = Clock::now();
+  for (size_t t = 0; t < threads; ++t) {
+    pool.emplace_back([&] {
+      try {
+        for (size_t i; (i = next++) < files.size();) {
+          image::DecodeOptions d{100'000'000, 1, 1, false};
+          auto r = image::decode(files[i].data(), files[i].size(), ds->key(i), d,
+                                 [](int w, int h) {
+                                   return image::Box{0, 0, static_cast<double>(w),
+                                                     static_cast<double>(h)};
+                                 });
+          pixels += static_cast<uint64_t>(r.width) * static_cast<uint64_t>(r.height);
+        }
+      } catch (...) {
+        std::lock_guard lock(failure_mutex);
+        if (!failure) failure = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : pool) t.join();
+  if (failure) std::rethrow_exception(failure);
+  const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+  return {static_cast<double>(files.size()) / s, static_cast<double>(pixels) / s / 1e6,
+          files.size(), threads};
+}
+
+}  // namespace forkguard::data
