@@ -4,9 +4,9 @@
 #include <sys/resource.h>
 
 #include <atomic>
+#include <chrono>
 #include <exception>
 #include <mutex>
-#include <chrono>
 #include <thread>
 
 #include "data/image/decode.hpp"
@@ -96,11 +96,9 @@ DecodeBenchResult run_decode_bench(const std::string& data, DatasetFormat format
       try {
         for (size_t i; (i = next++) < files.size();) {
           image::DecodeOptions d{100'000'000, 1, 1, false};
-          auto r = image::decode(files[i].data(), files[i].size(), ds->key(i), d,
-                                 [](int w, int h) {
-                                   return image::Box{0, 0, static_cast<double>(w),
-                                                     static_cast<double>(h)};
-                                 });
+          auto r = image::decode(files[i].data(), files[i].size(), ds->key(i), d, [](int w, int h) {
+            return image::Box{0, 0, static_cast<double>(w), static_cast<double>(h)};
+          });
           pixels += static_cast<uint64_t>(r.width) * static_cast<uint64_t>(r.height);
         }
       } catch (...) {

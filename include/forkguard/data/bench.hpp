@@ -14,16 +14,16 @@ namespace forkguard::data {
 enum class DatasetFormat { kImageFolder, kFileList, kWebDataset };
 
 struct LoaderBenchOptions {
-  std::string data;                                 // a directory, or the list file
+  std::string data;  // a directory, or the list file
   DatasetFormat format = DatasetFormat::kImageFolder;
   size_t workers = 2;
   WorkerKind worker_kind = WorkerKind::kThread;
   size_t batch_size = 64;
   int epochs = 3;
-  DType dtype = DType::kFloat32;                    // kFloat32 (normalized) or kUInt8
+  DType dtype = DType::kFloat32;  // kFloat32 (normalized) or kUInt8
   BadSample bad_sample = BadSample::kError;
   uint64_t seed = 0;
-  bool digest = false;                              // hash every batch, in delivery order
+  bool digest = false;  // hash every batch, in delivery order
   // Called after each batch with (images so far, images in all epochs).
   std::function<void(uint64_t done, uint64_t total)> progress{};
 };
@@ -34,7 +34,7 @@ struct LoaderBenchResult {
   uint64_t peak_rss_bytes = 0;     // of this process (workers' own memory is shared slots)
   uint64_t images = 0;
   uint64_t skipped = 0;
-  std::string digest;              // hex FNV-1a 64 of every batch's images and labels; "" if off
+  std::string digest;  // hex FNV-1a 64 of every batch's images and labels; "" if off
   LoaderStats stats;
 };
 
