@@ -61,8 +61,8 @@ std::string make_folder(const std::string& root) {
 }
 
 nlohmann::json bench(const std::string& dir, std::vector<std::string> extra) {
-  std::vector<std::string> argv{ft::kForkguard, "bench", "loader", "--data", dir, "--epochs", "2",
-                                "--batch-size", "8", "--digest", "--json"};
+  std::vector<std::string> argv{ft::kForkguard, "bench", "loader",   "--data", dir, "--epochs", "2",
+                                "--batch-size", "8",     "--digest", "--json"};
   argv.insert(argv.end(), extra.begin(), extra.end());
   auto r = ft::run(argv);
   EXPECT_EQ(r.exit_code, 0) << r.err;
@@ -82,7 +82,8 @@ TEST(BenchLoaderCli, DigestIsTheSameForEveryWorkerCountAndKind) {
   EXPECT_GT(ref["first_batch_seconds"].get<double>(), 0);
   EXPECT_GT(ref["peak_rss_bytes"].get<double>(), 0);
   for (auto extra : std::vector<std::vector<std::string>>{
-           {"--workers", "2"}, {"--workers", "2", "--worker-kind", "process"},
+           {"--workers", "2"},
+           {"--workers", "2", "--worker-kind", "process"},
            {"--workers", "1", "--worker-kind", "process", "--dtype", "float32"}}) {
     EXPECT_EQ(bench(root, extra)["digest"], ref["digest"]) << extra[1];
   }
