@@ -198,6 +198,11 @@ class LoaderImpl {
     pending_.clear();
     in_flight_.assign(static_cast<size_t>(std::max(1, workers())), 0);
     for (const auto& c : copying_) ++in_flight_[static_cast<size_t>(c.worker)];
+    // A worker that died after its last batch of the previous epoch was delivered: nothing was
+    // lost, but its pool cannot serve this epoch. Start a fresh one (counted as restarts).
+    if (std::any_of(dead_.begin(), dead_.end(), [](const std::string& d) { return !d.empty(); })) {
+      stop_workers(true);
+    }
     dead_.assign(in_flight_.size(), std::string());
     if (workers() > 0 && !workers_) start_workers();
     in_epoch_ = true;
@@ -382,7 +387,7 @@ class LoaderImpl {
   void retire(size_t b) {
     pending_.erase(b);
     ++delivered_;
-    if (o_.delivery == Delivery::kInOrder) ++next_deliver_;
+    if (o_.delivery == Delivery::kInOrder || !workers_) ++next_deliver_;  // inline: in order
   }
 
   Batch deliver(size_t b) {

@@ -171,16 +171,45 @@ TEST(Loader, EpochsCanBeReplayedWithSetEpoch) {
 }
 
 TEST(Loader, AsReadyDeliversEveryBatchOnce) {
-  fd::Loader loader(dataset(), noise(),
-                    {.batch_size = 8, .workers = 3, .delivery = fd::Delivery::kAsReady, .seed = 2});
-  std::set<size_t> seen;
-  std::set<size_t> samples;
-  while (auto b = loader.next()) {
-    EXPECT_TRUE(seen.insert(b->number()).second) << "batch " << b->number() << " twice";
-    samples.insert(b->indices().begin(), b->indices().end());
+  for (size_t workers : {0, 3}) {
+    fd::Loader loader(
+        dataset(), noise(),
+        {.batch_size = 8, .workers = workers, .delivery = fd::Delivery::kAsReady, .seed = 2});
+    std::set<size_t> seen;
+    std::set<size_t> samples;
+    while (auto b = loader.next()) {
+      EXPECT_TRUE(seen.insert(b->number()).second) << "batch " << b->number() << " twice";
+      samples.insert(b->indices().begin(), b->indices().end());
+    }
+    EXPECT_EQ(seen.size(), loader.size()) << workers << " workers";
+    EXPECT_EQ(samples.size(), 200u) << workers << " workers";
   }
-  EXPECT_EQ(seen.size(), loader.size());
-  EXPECT_EQ(samples.size(), 200u);
+}
+
+TEST(Loader, WorkerKilledBetweenEpochsNeverHangsTheNextOnes) {
+  fd::Loader loader(dataset(64), noise(),
+                    {.batch_size = 8,
+                     .workers = 2,
+                     .worker_kind = fd::WorkerKind::kProcess,
+                     .timeout = std::chrono::seconds(10)});
+  while (loader.next()) {
+  }
+  auto pids = loader.worker_pids();
+  ASSERT_EQ(pids.size(), 2u);
+  ASSERT_EQ(::kill(pids[1], SIGKILL), 0);
+  // The death surfaces in this epoch (as a WorkerError) or, if it is noticed only after the
+  // worker's batches, the epoch completes; either way the epochs after it run in full.
+  try {
+    while (loader.next()) {
+    }
+  } catch (const fd::WorkerError& e) {
+    EXPECT_NE(std::string(e.what()).find("SIGKILL"), std::string::npos) << e.what();
+  }
+  for (int e = 0; e < 2; ++e) {
+    size_t n = 0;
+    while (loader.next()) ++n;
+    EXPECT_EQ(n, loader.size());
+  }
 }
 
 TEST(Loader, DropLastAndBatchShape) {
