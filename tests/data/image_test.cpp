@@ -121,6 +121,27 @@ TEST(ImageDecode, CropAwareScaledDecodeMatchesTheFullDecodeOfTheSameBox) {
   EXPECT_EQ(decode(jpg, {0, 0, 300, 300}, 224).scale_denom, 1);
 }
 
+TEST(ImageResample, VectorKernelsAreBitIdenticalToThePortableOnes) {
+  if (!fi::resample_uses_avx2()) GTEST_SKIP() << "this CPU has no AVX2: only the portable kernels";
+  // Odd sizes, boxes at every edge, down- and upscaling, tiny images (the last rows are padded).
+  struct Case {
+    int w, h;
+    fi::Box box;
+    int out;
+  };
+  for (const Case& c :
+       {Case{640, 480, {0, 0, 640, 480}, 224}, Case{641, 479, {3.5, 7.25, 640, 479}, 224},
+        Case{333, 222, {100, 50, 180, 130}, 224}, Case{5, 3, {0, 0, 5, 3}, 224},
+        Case{4000, 30, {0, 0, 4000, 30}, 31}, Case{224, 224, {0, 0, 224, 224}, 224},
+        Case{97, 1013, {1, 900, 96, 1013}, 17}}) {
+    auto src = picture(c.w, c.h);
+    std::vector<uint8_t> fast(static_cast<size_t>(c.out) * c.out * 3), slow(fast.size());
+    fi::resample(src.data(), c.w, c.h, c.box, c.out, c.out, fast.data(), fi::Kernel::kAuto);
+    fi::resample(src.data(), c.w, c.h, c.box, c.out, c.out, slow.data(), fi::Kernel::kPortable);
+    EXPECT_EQ(fast, slow) << c.w << "x" << c.h << " -> " << c.out;
+  }
+}
+
 TEST(ImageDecode, GrayJpegAndPngFormatsBecomeRgb) {
   const int w = 64, h = 48;
   std::vector<uint8_t> gray(static_cast<size_t>(w) * h);

@@ -2,20 +2,28 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define FORKGUARD_RESAMPLE_X86 1
+#endif
 
 namespace forkguard::data::image {
 namespace {
 
 // Weights in fixed point, as Pillow computes 8-bit images (its PRECISION_BITS is 22 with 32-bit
-// sums of 8-bit pixels; 14 bits keep every sum in int32 here too).
+// sums of 8-bit pixels; 14 bits keep every sum in int32 here too, and every weight in int16, which
+// is what the vector paths multiply with).
 constexpr int kBits = 14;
 
 struct Taps {
   std::vector<int> first;      // first input index, per output index
   std::vector<int> count;      // taps, per output index
-  std::vector<float> weight;   // `stride` weights per output index
-  std::vector<int32_t> fixed;  // the same, scaled by 2^kBits and rounded
+  std::vector<int32_t> fixed;  // `stride` weights per output index, scaled by 2^kBits, rounded
+  std::vector<int16_t> w16;  // the same as int16, `stride16` (a multiple of 4) per index, 0-padded
   int stride = 0;
+  int stride16 = 0;
 };
 
 // Pillow's precompute_coeffs for the bilinear (triangle) filter.
@@ -25,9 +33,12 @@ Taps taps(double in0, double in1, int in_size, int out_size) {
   const double filterscale = std::max(scale, 1.0);
   const double support = 1.0 * filterscale;
   t.stride = static_cast<int>(std::ceil(support)) * 2 + 1;
+  t.stride16 = (t.stride + 3) / 4 * 4;
   t.first.resize(static_cast<size_t>(out_size));
   t.count.resize(static_cast<size_t>(out_size));
-  t.weight.assign(static_cast<size_t>(out_size) * t.stride, 0.f);
+  t.fixed.assign(static_cast<size_t>(out_size) * t.stride, 0);
+  t.w16.assign(static_cast<size_t>(out_size) * t.stride16, 0);
+  std::vector<float> k(static_cast<size_t>(t.stride));
   const double ss = 1.0 / filterscale;
   for (int xx = 0; xx < out_size; ++xx) {
     const double center = in0 + (xx + 0.5) * scale;
@@ -35,22 +46,25 @@ Taps taps(double in0, double in1, int in_size, int out_size) {
     int xmax = std::min(static_cast<int>(center + support + 0.5), in_size) - xmin;
     xmax = std::min(xmax, t.stride);
     double ww = 0;
-    float* k = &t.weight[static_cast<size_t>(xx) * t.stride];
+    std::fill(k.begin(), k.end(), 0.f);
     for (int x = 0; x < xmax; ++x) {
       double d = std::abs((x + xmin - center + 0.5) * ss);
       double w = d < 1.0 ? 1.0 - d : 0.0;
-      k[x] = static_cast<float>(w);
+      k[static_cast<size_t>(x)] = static_cast<float>(w);
       ww += w;
     }
     if (ww != 0) {
-      for (int x = 0; x < xmax; ++x) k[x] = static_cast<float>(k[x] / ww);
+      for (int x = 0; x < xmax; ++x) {
+        k[static_cast<size_t>(x)] = static_cast<float>(k[static_cast<size_t>(x)] / ww);
+      }
     }
     t.first[static_cast<size_t>(xx)] = xmin;
     t.count[static_cast<size_t>(xx)] = std::max(xmax, 0);
-  }
-  t.fixed.resize(t.weight.size());
-  for (size_t i = 0; i < t.weight.size(); ++i) {
-    t.fixed[i] = static_cast<int32_t>(std::lround(t.weight[i] * (1 << kBits)));
+    for (int x = 0; x < t.stride; ++x) {
+      const auto v = static_cast<int32_t>(std::lround(k[static_cast<size_t>(x)] * (1 << kBits)));
+      t.fixed[static_cast<size_t>(xx) * t.stride + x] = v;
+      t.w16[static_cast<size_t>(xx) * t.stride16 + x] = static_cast<int16_t>(v);
+    }
   }
   return t;
 }
@@ -60,51 +74,200 @@ inline uint8_t clip8(int32_t acc) {
   return static_cast<uint8_t>(v < 0 ? 0 : (v > 255 ? 255 : v));
 }
 
+// ------------------------------------------------------------------ portable passes
+// One row of RGB: out_w outputs from the taps.
+void horizontal_scalar(const uint8_t* in, const Taps& tx, int out_w, uint8_t* out) {
+  for (int x = 0; x < out_w; ++x) {
+    const int32_t* k = &tx.fixed[static_cast<size_t>(x) * tx.stride];
+    const uint8_t* p = in + static_cast<size_t>(tx.first[static_cast<size_t>(x)]) * 3;
+    int32_t r = 0, g = 0, b = 0;
+    for (int i = 0, n = tx.count[static_cast<size_t>(x)]; i < n; ++i) {
+      r += k[i] * p[3 * i];
+      g += k[i] * p[3 * i + 1];
+      b += k[i] * p[3 * i + 2];
+    }
+    out[3 * x] = clip8(r);
+    out[3 * x + 1] = clip8(g);
+    out[3 * x + 2] = clip8(b);
+  }
+}
+
+// One output row, bytes [begin, end): `n` input rows weighted by k.
+void vertical_scalar(const uint8_t* const* rows, const int32_t* k, int n, size_t begin, size_t end,
+                     uint8_t* out) {
+  for (size_t j = begin; j < end; ++j) {
+    int32_t acc = 0;
+    for (int i = 0; i < n; ++i) acc += k[i] * rows[i][j];
+    out[j] = clip8(acc);
+  }
+}
+
+#ifdef FORKGUARD_RESAMPLE_X86
+// ------------------------------------------------------------------ AVX2 passes
+// The same integer arithmetic as the portable passes (int16 weights, int32 sums, the same
+// rounding), so the output is bit-identical: pmaddwd multiplies two taps at a time.
+
+// Four rows at a time, with the same taps: two rows per 256-bit register (one per 128-bit lane),
+// two registers, so the four sums of an output pixel are independent chains. Per pair of taps a
+// lane holds [r0 r1 g0 g1 b0 b1 0 0] as int16 and pmaddwd with [w0 w1] gives [r g b 0] as int32.
+// Reads up to 16 bytes from the first byte of each pair of taps: the caller pads the rows for
+// which that is past the end of the image.
+__attribute__((target("avx2"))) void horizontal4_avx2(const uint8_t* const in[4], const Taps& tx,
+                                                      int out_w, uint8_t* const out[4]) {
+  const __m256i shuffle =
+      _mm256_setr_epi8(0, -1, 3, -1, 1, -1, 4, -1, 2, -1, 5, -1, -1, -1, -1, -1, 0, -1, 3, -1, 1,
+                       -1, 4, -1, 2, -1, 5, -1, -1, -1, -1, -1);
+  const __m256i round = _mm256_set1_epi32(1 << (kBits - 1));
+  const __m256i keep_rgb = _mm256_setr_epi32(-1, -1, -1, 0, -1, -1, -1, 0);
+  for (int x = 0; x < out_w; ++x) {
+    const size_t xs = static_cast<size_t>(x);
+    const int n = tx.count[xs];
+    const size_t off = static_cast<size_t>(tx.first[xs]) * 3;
+    const int16_t* w = &tx.w16[xs * static_cast<size_t>(tx.stride16)];
+    __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+    for (int j = 0; j < n; j += 2) {
+      int32_t pair;
+      std::memcpy(&pair, w + j, 4);
+      const __m256i wv = _mm256_and_si256(_mm256_set1_epi32(pair), keep_rgb);
+      const size_t o = off + 3 * static_cast<size_t>(j);
+      const __m256i pa = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(in[1] + o),
+                                             reinterpret_cast<const __m128i*>(in[0] + o));
+      const __m256i pb = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(in[3] + o),
+                                             reinterpret_cast<const __m128i*>(in[2] + o));
+      a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_shuffle_epi8(pa, shuffle), wv));
+      b = _mm256_add_epi32(b, _mm256_madd_epi16(_mm256_shuffle_epi8(pb, shuffle), wv));
+    }
+    a = _mm256_srai_epi32(_mm256_add_epi32(a, round), kBits);
+    b = _mm256_srai_epi32(_mm256_add_epi32(b, round), kBits);
+    // lane 0: rows 0 and 2, lane 1: rows 1 and 3, 4 bytes each ([r g b 0]).
+    const __m256i p = _mm256_packs_epi32(a, b);
+    const __m256i u = _mm256_packus_epi16(p, p);
+    const __m128i lo = _mm256_castsi256_si128(u), hi = _mm256_extracti128_si256(u, 1);
+    // 4 bytes stored per row, the 4th overwritten by the next pixel; the last pixel's 3 only (the
+    // next row's first pixel is already written).
+    const int32_t v[4] = {_mm_cvtsi128_si32(lo), _mm_cvtsi128_si32(hi), _mm_extract_epi32(lo, 1),
+                          _mm_extract_epi32(hi, 1)};
+    if (x + 1 < out_w) {
+      for (int r = 0; r < 4; ++r) std::memcpy(out[r] + 3 * xs, &v[r], 4);
+    } else {
+      for (int r = 0; r < 4; ++r) std::memcpy(out[r] + 3 * xs, &v[r], 3);
+    }
+  }
+}
+
+__attribute__((target("avx2"))) void vertical_avx2(const uint8_t* const* rows, const int32_t* k,
+                                                   int n, size_t len, uint8_t* out) {
+  const __m256i round = _mm256_set1_epi32(1 << (kBits - 1));
+  size_t j = 0;
+  for (; j + 16 <= len; j += 16) {
+    __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+    for (int i = 0; i < n; i += 2) {
+      const bool pair = i + 1 < n;
+      const __m256i a =
+          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i] + j)));
+      const __m256i b = _mm256_cvtepu8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[pair ? i + 1 : i] + j)));
+      const int32_t w = (k[i] & 0xffff) | (pair ? static_cast<int32_t>(k[i + 1] << 16) : 0);
+      const __m256i wv = _mm256_set1_epi32(w);
+      lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_unpacklo_epi16(a, b), wv));
+      hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_unpackhi_epi16(a, b), wv));
+    }
+    lo = _mm256_srai_epi32(_mm256_add_epi32(lo, round), kBits);
+    hi = _mm256_srai_epi32(_mm256_add_epi32(hi, round), kBits);
+    // Within each 128-bit lane: lo holds elements 0-3 (8-11), hi 4-7 (12-15); the packs restore
+    // the order, the permute gathers the two lanes' bytes.
+    const __m256i w16 = _mm256_packs_epi32(lo, hi);
+    const __m256i b8 = _mm256_permute4x64_epi64(_mm256_packus_epi16(w16, w16), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm256_castsi256_si128(b8));
+  }
+  vertical_scalar(rows, k, n, j, len, out);
+}
+
+bool have_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+}
+#endif
+
 }  // namespace
 
-void resample(const uint8_t* src, int w, int h, const Box& box, int out_w, int out_h,
-              uint8_t* dst) {
+void resample(const uint8_t* src, int w, int h, const Box& box, int out_w, int out_h, uint8_t* dst,
+              Kernel kernel) {
   const Taps tx = taps(box.x0, box.x1, w, out_w);
   const Taps ty = taps(box.y0, box.y1, h, out_h);
+  const bool avx2 = kernel == Kernel::kAuto && resample_uses_avx2();
   // Only the rows the vertical pass reads go through the horizontal pass.
   const int row0 = ty.first.front();
   int row1 = row0;
   for (int y = 0; y < out_h; ++y) {
     row1 = std::max(row1, ty.first[static_cast<size_t>(y)] + ty.count[static_cast<size_t>(y)]);
   }
-  std::vector<uint8_t> mid(static_cast<size_t>(row1 - row0) * out_w * 3);
-  for (int y = row0; y < row1; ++y) {
-    const uint8_t* in = src + static_cast<size_t>(y) * w * 3;
-    uint8_t* out = &mid[static_cast<size_t>(y - row0) * out_w * 3];
+  const size_t row_bytes = static_cast<size_t>(w) * 3;
+  const size_t row = static_cast<size_t>(out_w) * 3;
+  thread_local std::vector<uint8_t> mid;
+  mid.resize(static_cast<size_t>(row1 - row0) * row + 16);
+  const uint8_t* end = src + row_bytes * static_cast<size_t>(h);
+#ifdef FORKGUARD_RESAMPLE_X86
+  if (avx2) {
+    // How far past a row's start the vector pass reads; rows for which that is past the end of
+    // the image are copied into padded buffers first (the last row or two).
+    size_t need = row_bytes;
     for (int x = 0; x < out_w; ++x) {
-      const int32_t* k = &tx.fixed[static_cast<size_t>(x) * tx.stride];
-      const uint8_t* p = in + static_cast<size_t>(tx.first[static_cast<size_t>(x)]) * 3;
-      int32_t r = 0, g = 0, b = 0;
-      for (int i = 0, n = tx.count[static_cast<size_t>(x)]; i < n; ++i) {
-        r += k[i] * p[3 * i];
-        g += k[i] * p[3 * i + 1];
-        b += k[i] * p[3 * i + 2];
+      const size_t xs = static_cast<size_t>(x);
+      need = std::max(need, 3 * static_cast<size_t>(tx.first[xs] + tx.count[xs]) + 16);
+    }
+    thread_local std::vector<uint8_t> padded, scratch;
+    scratch.resize(row + 16);
+    padded.resize(4 * need);
+    for (int y = row0; y < row1; y += 4) {
+      const uint8_t* in[4];
+      uint8_t* out[4];
+      int pads = 0;
+      for (int i = 0; i < 4; ++i) {
+        const int yy = std::min(y + i, row1 - 1);  // past the end: the last row again, discarded
+        in[i] = src + static_cast<size_t>(yy) * row_bytes;
+        out[i] = y + i < row1 ? &mid[static_cast<size_t>(y + i - row0) * row] : scratch.data();
+        if (in[i] + need > end) {
+          uint8_t* copy = padded.data() + static_cast<size_t>(pads++) * need;
+          std::memset(copy + row_bytes, 0, need - row_bytes);
+          std::memcpy(copy, in[i], row_bytes);
+          in[i] = copy;
+        }
       }
-      out[3 * x] = clip8(r);
-      out[3 * x + 1] = clip8(g);
-      out[3 * x + 2] = clip8(b);
+      horizontal4_avx2(in, tx, out_w, out);
     }
   }
-  const size_t row = static_cast<size_t>(out_w) * 3;
-  std::vector<int32_t> acc(row);
+#endif
+  for (int y = row0; !avx2 && y < row1; ++y) {
+    horizontal_scalar(src + static_cast<size_t>(y) * row_bytes, tx, out_w,
+                      &mid[static_cast<size_t>(y - row0) * row]);
+  }
+  (void)end;
+  std::vector<const uint8_t*> rows(static_cast<size_t>(ty.stride));
   for (int y = 0; y < out_h; ++y) {
-    std::fill(acc.begin(), acc.end(), 0);
     const int32_t* k = &ty.fixed[static_cast<size_t>(y) * ty.stride];
     const int first = ty.first[static_cast<size_t>(y)];
-    for (int i = 0, n = ty.count[static_cast<size_t>(y)]; i < n; ++i) {
-      const uint8_t* in = &mid[static_cast<size_t>(first + i - row0) * row];
-      const int32_t wgt = k[i];
-      int32_t* a = acc.data();
-      for (size_t j = 0; j < row; ++j) a[j] += wgt * in[j];
+    const int n = ty.count[static_cast<size_t>(y)];
+    for (int i = 0; i < n; ++i) {
+      rows[static_cast<size_t>(i)] = &mid[static_cast<size_t>(first + i - row0) * row];
     }
     uint8_t* out = dst + static_cast<size_t>(y) * row;
-    for (size_t j = 0; j < row; ++j) out[j] = clip8(acc[j]);
+#ifdef FORKGUARD_RESAMPLE_X86
+    if (avx2) {
+      vertical_avx2(rows.data(), k, n, row, out);
+      continue;
+    }
+#endif
+    vertical_scalar(rows.data(), k, n, 0, row, out);
   }
+}
+
+bool resample_uses_avx2() {
+#ifdef FORKGUARD_RESAMPLE_X86
+  return have_avx2();
+#else
+  return false;
+#endif
 }
 
 }  // namespace forkguard::data::image

@@ -10,7 +10,16 @@
 
 namespace forkguard::data::image {
 
-// Resamples `box` of the w x h RGB image `src` to out_w x out_h RGB into `dst`.
-void resample(const uint8_t* src, int w, int h, const Box& box, int out_w, int out_h, uint8_t* dst);
+enum class Kernel {
+  kAuto,      // AVX2 where the CPU has it (checked once), else portable C++
+  kPortable,  // portable C++ only (the vector kernels are held to it, bit for bit)
+};
+
+// Resamples `box` of the w x h RGB image `src` to out_w x out_h RGB into `dst`. Reentrant.
+void resample(const uint8_t* src, int w, int h, const Box& box, int out_w, int out_h, uint8_t* dst,
+              Kernel kernel = Kernel::kAuto);
+
+// Whether Kernel::kAuto runs the AVX2 kernels on this CPU.
+bool resample_uses_avx2();
 
 }  // namespace forkguard::data::image
