@@ -21,7 +21,9 @@ test: build
 
 # The main job on an embedded default: the test driver stands in for a GPU. The probe on a
 # process going from clean to poisoned, then ranks launched after the parent touched CUDA: the
-# fork server and spawn succeed, plain fork is refused with the evidence.
+# fork server and spawn succeed, plain fork is refused with the evidence. Then two training
+# ranks under `forkguard run`, each with a process-worker image loader feeding its GPU (the host
+# where there is none), on DATA (an ImageFolder) or on images cut from Debian's photographs.
 demo: build
 	@dev=$$(mktemp -d) && trap 'rm -rf "$$dev"' EXIT && \
 	  FORKGUARD_CUDA_DRIVER=$(CURDIR)/$(FAKE)/libcuda.so.1 \
@@ -34,6 +36,9 @@ demo: build
 	    rc=$$?; echo "--- exit code $$rc"; \
 	    if [ $$m = fork ]; then [ $$rc -eq 3 ] || exit 1; else [ $$rc -eq 0 ] || exit 1; fi; \
 	  done
+	@data="$(DATA)"; if [ -z "$$data" ]; then data=build/demo/images; scripts/demo-data $$data; fi; \
+	  echo; echo "=== forkguard run --nproc-per-node 2 -- loader_ranks --data $$data ==="; \
+	  $(BUILD)/bin/forkguard run --nproc-per-node 2 -- $(BUILD)/bin/loader_ranks --data "$$data" --epochs 2
 
 asan tsan: deps
 	cmake --preset $@

@@ -175,7 +175,10 @@ class LoaderImpl {
   struct Pending {
     enum class State { kIssued, kDone, kFailed, kCopying };
     State state = State::kIssued;
-    int worker = 0;
+    int worker = 0;            // the slot's worker (and the batch's, unless it was split)
+    std::vector<int> waiting;  // the workers still filling a part of it
+    size_t failed_first = 0;   // the position of the failing part, once one failed
+    int failed_worker = -1;    // the worker that filled it
     int slot = -1;
     int buffer = -1;
     TaskResult result;
@@ -256,9 +259,27 @@ class LoaderImpl {
       Pending p;
       p.worker = w;
       p.slot = slot.id;
-      pending_[b] = std::move(p);
       ++flight;
-      workers_->submit(w, Task{epoch_, b, slot.id, batches_[b]});
+      // The epoch's first batch is split over every live worker: nothing else is ready to run
+      // in parallel with it, and its latency is the time to the first batch. The bytes are the
+      // same (each sample is a pure function of seed, epoch and index).
+      const auto& all = batches_[b];
+      std::vector<int> parts;
+      if (b == 0 && o_.split_first_batch) {
+        for (int k = 0; k < workers(); ++k) {
+          if (dead_[static_cast<size_t>(k)].empty()) parts.push_back(k);
+        }
+      }
+      if (parts.size() < 2 || all.size() < 2 * parts.size()) parts = {w};
+      p.waiting = parts;
+      pending_[b] = std::move(p);
+      for (size_t k = 0; k < parts.size(); ++k) {
+        const size_t from = all.size() * k / parts.size(), to = all.size() * (k + 1) / parts.size();
+        workers_->submit(parts[k], Task{epoch_, b, slot.id,
+                                        std::vector<size_t>(all.begin() + static_cast<long>(from),
+                                                            all.begin() + static_cast<long>(to)),
+                                        from});
+      }
       ++next_issue_;
     }
   }
@@ -294,21 +315,34 @@ class LoaderImpl {
   void handle(WorkerEvent ev) {
     if (ev.kind == WorkerEvent::Kind::kDone) {
       auto it = pending_.find(ev.batch);
-      if (it == pending_.end()) return;  // a batch of an abandoned epoch
+      if (it == pending_.end() || it->second.state != Pending::State::kIssued) {
+        return;  // a batch of an abandoned epoch
+      }
       auto& p = it->second;
-      p.result = std::move(ev.result);
+      stats_.read_seconds += seconds(ev.result.read_ns);
+      stats_.transform_seconds += seconds(ev.result.transform_ns);
+      stats_.slot_wait_seconds += seconds(ev.idle_ns);
+      if (auto w = std::find(p.waiting.begin(), p.waiting.end(), ev.worker); w != p.waiting.end()) {
+        p.waiting.erase(w);
+      }
+      merge(p, std::move(ev));
+      if (!p.waiting.empty()) return;
+      std::sort(
+          p.result.skipped.begin(), p.result.skipped.end(),
+          [](const SkippedSample& a, const SkippedSample& b) { return a.position < b.position; });
       p.state =
           p.result.kind == TaskResult::Kind::kOk ? Pending::State::kDone : Pending::State::kFailed;
-      stats_.read_seconds += seconds(p.result.read_ns);
-      stats_.transform_seconds += seconds(p.result.transform_ns);
-      stats_.slot_wait_seconds += seconds(ev.idle_ns);
       return;
     }
     // A worker died: every batch it held fails, and so does every batch it would have been given.
     const pid_t pid = workers_->pid(ev.worker);
     std::vector<size_t> held_batches, held;
+    auto holds = [&](const Pending& p) {
+      return p.state == Pending::State::kIssued &&
+             std::find(p.waiting.begin(), p.waiting.end(), ev.worker) != p.waiting.end();
+    };
     for (auto& [b, p] : pending_) {
-      if (p.worker == ev.worker && p.state == Pending::State::kIssued) {
+      if (holds(p)) {
         held_batches.push_back(b);
         held.insert(held.end(), batches_[b].begin(), batches_[b].end());
       }
@@ -323,11 +357,32 @@ class LoaderImpl {
                                    format_indices(held_batches), epoch_, format_indices(held));
     dead_[static_cast<size_t>(ev.worker)] = death;
     for (auto& [b, p] : pending_) {
-      if (p.worker == ev.worker && p.state == Pending::State::kIssued) {
+      if (holds(p)) {
         p.state = Pending::State::kFailed;
         p.death = death;
       }
     }
+  }
+
+  // One finished part of a batch into its result: the skipped samples of every part; the failure
+  // of the earliest failing part (a worker that found CUDA state before a bad sample).
+  static void merge(Pending& p, WorkerEvent ev) {
+    auto& r = p.result;
+    r.read_ns += ev.result.read_ns;
+    r.transform_ns += ev.result.transform_ns;
+    r.skipped.insert(r.skipped.end(), std::make_move_iterator(ev.result.skipped.begin()),
+                     std::make_move_iterator(ev.result.skipped.end()));
+    const auto kind = ev.result.kind;
+    if (kind == TaskResult::Kind::kOk) return;
+    const bool worse = r.kind == TaskResult::Kind::kOk ||
+                       (kind == TaskResult::Kind::kCuda && r.kind != TaskResult::Kind::kCuda) ||
+                       (kind == r.kind && ev.first < p.failed_first);
+    if (!worse) return;
+    auto skipped = std::move(r.skipped);
+    r = std::move(ev.result);
+    r.skipped = std::move(skipped);
+    p.failed_first = ev.first;
+    p.failed_worker = ev.worker;
   }
 
   [[noreturn]] void timed_out() {
@@ -405,7 +460,7 @@ class LoaderImpl {
         throw e;
       }
       // A worker died or stopped itself: the epoch is over.
-      const int w = p.worker;
+      const int w = p.failed_worker >= 0 ? p.failed_worker : p.worker;
       const pid_t pid = workers_ ? workers_->pid(w) : 0;
       std::string msg = !p.death.empty()
                             ? p.death

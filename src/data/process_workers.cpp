@@ -100,7 +100,7 @@ int serve(int sock, const Producer& producer) {
     for (int fd : fds) {
       if (fd >= 0) ::close(fd);
     }
-    if (f.size() != 5 || f[0] != "task") continue;
+    if (f.size() != 6 || f[0] != "task") continue;
     uint64_t idle = static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - idle_from).count());
     const int slot = std::atoi(f[3].c_str());
@@ -111,7 +111,7 @@ int serve(int sock, const Producer& producer) {
       r.message = fmt::format("slot {} was never sent to this worker", slot);
     } else {
       try {
-        r = producer.run(to_u64(f[1]), unpack_indices(f[4]), it->second.data());
+        r = producer.run(to_u64(f[1]), unpack_indices(f[4]), it->second.data(), to_u64(f[5]));
       } catch (const std::exception& e) {
         r.kind = TaskResult::Kind::kData;
         r.message = e.what();
@@ -123,7 +123,7 @@ int serve(int sock, const Producer& producer) {
     }
     if (!send_message(sock, {"done", f[2], f[3], std::to_string(static_cast<int>(r.kind)),
                              r.message, u64(r.index), r.key, u64(r.read_ns), u64(r.transform_ns),
-                             u64(idle), skipped.dump()})) {
+                             u64(idle), skipped.dump(), f[5]})) {
       // The loader is gone (EPIPE: stop quietly) or the report could not be sent.
       if (errno == EPIPE || errno == ECONNRESET) return 0;
       std::fprintf(stderr, "forkguard: process worker %d cannot report batch %s: %s\n",
@@ -224,7 +224,7 @@ class ProcessWorkers : public Workers {
       p.has_slot[static_cast<size_t>(task.slot)] = true;
     }
     send_message(p.sock.get(), {"task", u64(task.epoch), u64(task.batch), std::to_string(task.slot),
-                                pack_indices(task.indices)});
+                                pack_indices(task.indices), u64(task.first)});
   }
 
   std::optional<WorkerEvent> wait(std::optional<Clock::time_point> deadline) override {
@@ -394,7 +394,7 @@ class ProcessWorkers : public Workers {
   }
 
   std::optional<WorkerEvent> parse_done(int w, const std::vector<std::string>& f) {
-    if (f.size() != 11 || f[0] != "done") return std::nullopt;
+    if (f.size() != 12 || f[0] != "done") return std::nullopt;
     WorkerEvent e;
     e.kind = WorkerEvent::Kind::kDone;
     e.worker = w;
@@ -407,6 +407,7 @@ class ProcessWorkers : public Workers {
     e.result.read_ns = to_u64(f[7]);
     e.result.transform_ns = to_u64(f[8]);
     e.idle_ns = to_u64(f[9]);
+    e.first = to_u64(f[11]);
     for (const auto& s : nlohmann::json::parse(f[10])) {
       e.result.skipped.push_back({s[0], s[1], s[2], s[3], s[4]});
     }

@@ -98,13 +98,14 @@ void Producer::one(uint64_t epoch, size_t index, size_t pos, std::byte* slot, Ta
   std::memset(key + sample.key.size(), 0, l.key_bytes - sample.key.size());
 }
 
-TaskResult Producer::run(uint64_t epoch, const std::vector<size_t>& indices,
-                         std::byte* slot) const {
+TaskResult Producer::run(uint64_t epoch, const std::vector<size_t>& indices, std::byte* slot,
+                         size_t first) const {
   TaskResult r;
   const size_t n = dataset_.size();
   try {
-    for (size_t pos = 0; pos < indices.size(); ++pos) {
-      const size_t index = indices[pos];
+    for (size_t k = 0; k < indices.size(); ++k) {
+      const size_t index = indices[k];
+      const size_t pos = first + k;
       try {
         one(epoch, index, pos, slot, r);
         continue;

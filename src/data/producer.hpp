@@ -49,7 +49,9 @@ class Producer {
   Producer(const Dataset& dataset, const Transform& transform, ProducerConfig config)
       : dataset_(dataset), transform_(transform), config_(config) {}
 
-  TaskResult run(uint64_t epoch, const std::vector<size_t>& indices, std::byte* slot) const;
+  // Fills batch positions first, first + 1, ... of `slot` with the samples `indices`.
+  TaskResult run(uint64_t epoch, const std::vector<size_t>& indices, std::byte* slot,
+                 size_t first = 0) const;
   const ProducerConfig& config() const { return config_; }
 
  private:

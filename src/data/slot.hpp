@@ -45,7 +45,7 @@ class Mapping {
   size_t size_ = 0;
 };
 
-// A new memfd of `bytes`, mapped here (pages populated).
+// A new memfd of `bytes`, mapped here (pages allocated on first touch).
 Mapping create_shared(size_t bytes, const char* name);
 
 struct Slot {

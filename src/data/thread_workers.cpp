@@ -88,13 +88,11 @@ class ThreadWorkers : public Workers {
                         sample_key(setup_.producer.seed, setup_.epoch, static_cast<uint64_t>(w), 1),
                         setup_.epoch, WorkerKind::kThread});
       } catch (const std::exception& e) {
-        post({WorkerEvent::Kind::kDied,
-              w,
-              0,
-              0,
-              {},
-              0,
-              fmt::format("its init hook \"{}\" threw: {}", setup_.worker_init, e.what())});
+        WorkerEvent died;
+        died.kind = WorkerEvent::Kind::kDied;
+        died.worker = w;
+        died.how = fmt::format("its init hook \"{}\" threw: {}", setup_.worker_init, e.what());
+        post(std::move(died));
         return;
       }
     }
@@ -116,9 +114,10 @@ class ThreadWorkers : public Workers {
       e.worker = w;
       e.batch = task.batch;
       e.slot = task.slot;
+      e.first = task.first;
       e.idle_ns = idle;
       try {
-        e.result = producer_.run(task.epoch, task.indices, base);
+        e.result = producer_.run(task.epoch, task.indices, base, task.first);
       } catch (const std::exception& ex) {  // not a sample's fault: report it as the batch's
         e.result.kind = TaskResult::Kind::kData;
         e.result.message = ex.what();

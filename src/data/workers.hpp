@@ -25,6 +25,7 @@ struct Task {
   size_t batch = 0;
   int slot = 0;
   std::vector<size_t> indices;
+  size_t first = 0;  // the batch position of indices[0] (a chunk of a batch split over workers)
 };
 
 struct WorkerEvent {
@@ -34,6 +35,7 @@ struct WorkerEvent {
   // kDone
   size_t batch = 0;
   int slot = 0;
+  size_t first = 0;  // the task's first position in the batch
   TaskResult result;
   uint64_t idle_ns = 0;  // the worker's wait for this task
   // kDied: "was killed by signal 9 (SIGKILL)", "exited with code 3", or the reason it stopped

@@ -284,6 +284,43 @@ TEST(Loader, SkipSubstitutesDeterministicallyRecordsAndLogsOnce) {
   }
 }
 
+// The epoch's first batch is filled by every worker, in parts: a bad sample in each part is
+// reported as the earliest one, skip records come in position order, and the bytes do not change
+// when the first batch is not split.
+TEST(Loader, FirstBatchSplitOverWorkersReportsTheEarliestBadSampleAndKeepsTheBytes) {
+  for (const auto& k : {kKinds[2], kKinds[3], kKinds[5], kKinds[6]}) {
+    for (bool split : {true, false}) {
+      // Batch 0 holds samples 0-15 (sequential): 3 in the first part, 12 in the last.
+      auto o = with(k, {.batch_size = 16, .split_first_batch = split});
+      fd::Loader loader(dataset(48, {3, 12}), noise(), o);
+      try {
+        loader.next();
+        ADD_FAILURE() << k.name << ": batch 0 has bad samples";
+      } catch (const fd::DataError& e) {
+        EXPECT_EQ(e.index(), 3u) << k.name << " split " << split;
+      }
+      EXPECT_EQ(loader.next()->number(), 1u);
+    }
+    std::vector<std::vector<std::pair<size_t, size_t>>> skips;
+    std::vector<uint64_t> hashes;
+    for (bool split : {true, false}) {
+      auto o = with(
+          k, {.batch_size = 16, .split_first_batch = split, .bad_sample = fd::BadSample::kSkip});
+      o.log = [](const std::string&) {};
+      fd::Loader loader(dataset(48, {12, 3}), noise(), o);
+      auto b = loader.next();
+      ASSERT_TRUE(b);
+      std::vector<std::pair<size_t, size_t>> got;
+      for (const auto& sk : b->skipped()) got.emplace_back(sk.position, sk.index);
+      skips.push_back(got);
+      hashes.push_back(hash_batch(*b));
+    }
+    EXPECT_EQ(skips[0], (std::vector<std::pair<size_t, size_t>>{{3, 3}, {12, 12}})) << k.name;
+    EXPECT_EQ(skips[0], skips[1]) << k.name;
+    EXPECT_EQ(hashes[0], hashes[1]) << k.name;
+  }
+}
+
 TEST(Loader, DlpackTensorsShareTheSlotAndKeepItAlive) {
   fd::Loader loader(dataset(64), noise(), {.batch_size = 16, .workers = 1, .prefetch = 1});
   std::vector<DLManagedTensor*> held;

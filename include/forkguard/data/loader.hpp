@@ -78,13 +78,14 @@ struct LoaderOptions {
   WorkerKind worker_kind = WorkerKind::kThread;      // threads or processes
   ProcessStart process_start = ProcessStart::kAuto;  // where process workers come from
   size_t prefetch = 2;                               // batches in flight per worker
-  bool persistent_workers = true;                    // keep workers across epochs
-  Delivery delivery = Delivery::kInOrder;            // in order, or as each batch is ready
-  std::chrono::milliseconds timeout{0};              // per batch; 0: wait as long as it takes
-  BadSample bad_sample = BadSample::kError;          // raise, or substitute and record
-  size_t max_substitutes = 16;                       // skip: tries before giving up on a sample
-  uint64_t seed = 0;                                 // all randomness derives from it
-  bool shuffle = false;                              // RandomSampler(seed) instead of sequential
+  bool split_first_batch = true;   // an epoch's first batch is made by every worker, in parts
+  bool persistent_workers = true;  // keep workers across epochs
+  Delivery delivery = Delivery::kInOrder;    // in order, or as each batch is ready
+  std::chrono::milliseconds timeout{0};      // per batch; 0: wait as long as it takes
+  BadSample bad_sample = BadSample::kError;  // raise, or substitute and record
+  size_t max_substitutes = 16;               // skip: tries before giving up on a sample
+  uint64_t seed = 0;                         // all randomness derives from it
+  bool shuffle = false;                      // RandomSampler(seed) instead of sequential
   bool distributed = false;                  // shard by RANK/WORLD_SIZE (DistributedSampler)
   bool drop_last = false;                    // drop a short last batch
   std::shared_ptr<const Sampler> sampler{};  // overrides shuffle/distributed when set
