@@ -54,7 +54,7 @@ using CuInit = int (*)(unsigned);
 }
 
 [[gnu::noinline]] void initialize_cuda_in_parent() {
-  std::printf("parent cuInit = %d\n", call_cuinit());
+  std::printf("parent cuInit = %d\n", call_cuinit());  // trace-test: init site
   std::fflush(stdout);
 }
 
@@ -77,7 +77,7 @@ void wait_for(pid_t pid) {
 }
 
 [[gnu::noinline]] void worker_touches_cuda() {
-  std::printf("child cuInit = %d\n", call_cuinit());
+  std::printf("child cuInit = %d\n", call_cuinit());  // trace-test: touch site
   std::fflush(stdout);
 }
 
@@ -93,7 +93,7 @@ void wait_for(pid_t pid) {
 
 [[gnu::noinline]] void fork_worker_that_exits() {
   std::fflush(stdout);
-  pid_t pid = ::fork();
+  pid_t pid = ::fork();  // trace-test: fork site
   if (pid == 0) ::_exit(0);
   wait_for(pid);
 }

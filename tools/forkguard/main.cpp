@@ -21,6 +21,7 @@
 #include "forkguard/launch/gpu_plan.hpp"
 #include "forkguard/launch/launcher.hpp"
 #include "forkguard/probe/cuda_state.hpp"
+#include "forkguard/trace/trace.hpp"
 #include "forkguard/version.hpp"
 
 namespace {
@@ -184,6 +185,7 @@ int bench_loader(const BenchFlags& f) {
     j["read_seconds"] = r.stats.read_seconds;
     j["transform_seconds"] = r.stats.transform_seconds;
     j["consumer_wait_seconds"] = r.stats.consumer_wait_seconds;
+    j["epoch_pss_bytes"] = r.epoch_pss_bytes;
     fmt::print("{}\n", j.dump());
     return 0;
   }
@@ -196,6 +198,10 @@ int bench_loader(const BenchFlags& f) {
       "consumer wait {:.2f} s\n",
       f.workers, f.worker_kind, r.stats.read_seconds, r.stats.transform_seconds,
       r.stats.consumer_wait_seconds);
+  std::string pss;
+  for (uint64_t b : r.epoch_pss_bytes)
+    pss += fmt::format("{}{:.1f}", pss.empty() ? "" : " / ", b / 1e6);
+  fmt::print("  memory at each epoch's end (Pss of this process and its workers): {} MB\n", pss);
   if (f.digest) fmt::print("digest {}\n", r.digest);
   return 0;
 }
@@ -213,6 +219,28 @@ int bench_decode(const BenchFlags& f) {
   fmt::print("full-size decode only: {:.1f} images/s, {:.1f} MP/s ({} images, {} threads)\n",
              r.images_per_second, r.megapixels_per_second, r.images, r.threads);
   return 0;
+}
+
+struct TraceFlags {
+  bool strict = false;
+  std::string json;
+  bool quiet = false;
+  std::vector<std::string> command;
+};
+
+int trace(const TraceFlags& f) {
+  namespace tr = forkguard::trace;
+  try {
+    tr::Options options;
+    options.strict = f.strict;
+    options.json_path = f.json;
+    auto result = tr::run(options, f.command);
+    if (!f.quiet || result.found()) fmt::print(stderr, "{}\n", result.summary());
+    return result.exit_code;
+  } catch (const tr::TraceError& e) {
+    fmt::print(stderr, "forkguard trace: {}\n", e.what());
+    return e.exit_code();
+  }
 }
 
 }  // namespace
@@ -312,6 +340,21 @@ int main(int argc, char** argv) {
                "Print a hash of every batch in delivery order (the same for any number or kind "
                "of workers)");
 
+  TraceFlags tf;
+  auto* tracec = app.add_subcommand(
+      "trace",
+      "Run a command with libforkguard_trace.so preloaded (children inherit it): report where "
+      "CUDA was initialized when a process forks after that, and where a child of such a fork "
+      "touches CUDA. Exit code: the command's. Usage: forkguard trace [options] -- CMD ARGS...");
+  tracec->add_flag("--strict", tf.strict,
+                   "A child forked after CUDA initialization exits with code 70 at its first CUDA "
+                   "touch, with the report, instead of failing later");
+  tracec->add_option("--json", tf.json,
+                     "Write every event (driver_loaded, device_opened, cuda_init, dirty_fork, "
+                     "poisoned_touch) with pid, ppid, time and native and Python frames");
+  tracec->add_flag("--quiet", tf.quiet, "No summary when nothing was found");
+  tracec->add_option("command", tf.command, "The command to trace (after --)")->required();
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -328,6 +371,7 @@ int main(int argc, char** argv) {
   try {
     if (doc->parsed()) return doctor(pid, json);
     if (runc->parsed()) return run(argc, argv, rf);
+    if (tracec->parsed()) return trace(tf);
     if (bl->parsed() || bd->parsed()) {
       forkguard::init(argc, argv);  // the fork server for --worker-kind process
       return bl->parsed() ? bench_loader(bf) : bench_decode(bf);

@@ -120,7 +120,7 @@ std::string format_stack(const Stack& stack, std::string_view indent) {
     out += in + "(" + stack.python_note + ")\n";
   }
   if (!stack.native.empty()) {
-    const size_t limit = stack.python.empty() ? 20 : 8;
+    const size_t limit = stack.python.empty() ? 20 : 6;
     out += in + "native (innermost first):\n";
     for (size_t i = 0; i < stack.native.size() && i < limit; ++i) {
       out += in + "  #" + std::to_string(i) + " " + describe(stack.native[i]) + "\n";

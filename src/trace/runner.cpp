@@ -1,0 +1,273 @@
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "forkguard/trace/trace.hpp"
+
+#ifndef FORKGUARD_INSTALL_LIBDIR
+#define FORKGUARD_INSTALL_LIBDIR "lib"
+#endif
+
+extern char** environ;
+
+namespace forkguard::trace {
+namespace {
+
+constexpr const char* kLibraryName = "libforkguard_trace.so";
+
+bool is_file(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+std::string dir_of(const std::string& path) {
+  auto slash = path.rfind('/');
+  return slash == std::string::npos ? "." : path.substr(0, slash);
+}
+
+// Removes the events file however run() ends.
+struct TempFile {
+  std::string path;
+  ~TempFile() {
+    if (!path.empty()) ::unlink(path.c_str());
+  }
+};
+
+std::string make_events_file(TempFile& tmp) {
+  const char* dir = std::getenv("TMPDIR");
+  std::string templ =
+      std::string(dir != nullptr && *dir != '\0' ? dir : "/tmp") + "/forkguard-trace-XXXXXX";
+  int fd = ::mkstemp(templ.data());
+  if (fd < 0) {
+    throw TraceError("cannot create the events file " + templ + ": " + std::strerror(errno), 2);
+  }
+  ::close(fd);
+  tmp.path = templ;
+  return templ;
+}
+
+std::vector<std::string> traced_environment(const std::string& library, const std::string& events,
+                                            bool strict) {
+  std::vector<std::string> env;
+  std::string preload = library;
+  for (char** e = environ; *e != nullptr; ++e) {
+    std::string_view kv(*e);
+    if (kv.substr(0, 11) == "LD_PRELOAD=") {
+      // The user's preloads keep their place in front (a sanitizer runtime must come first).
+      if (kv.size() > 11) preload = std::string(kv.substr(11)) + ":" + library;
+      continue;
+    }
+    if (kv.substr(0, 23) == "FORKGUARD_TRACE_EVENTS=" ||
+        kv.substr(0, 23) == "FORKGUARD_TRACE_STRICT=") {
+      continue;
+    }
+    env.emplace_back(kv);
+  }
+  env.push_back("LD_PRELOAD=" + preload);
+  env.push_back("FORKGUARD_TRACE_EVENTS=" + events);
+  if (strict) env.push_back("FORKGUARD_TRACE_STRICT=1");
+  return env;
+}
+
+std::vector<char*> c_strings(std::vector<std::string>& v) {
+  std::vector<char*> out;
+  for (auto& s : v) out.push_back(s.data());
+  out.push_back(nullptr);
+  return out;
+}
+
+// While the command runs, ^C and ^\ are for it (it is in our process group), not for us.
+class IgnoreInterrupts {
+ public:
+  IgnoreInterrupts() {
+    struct sigaction ign {};
+    ign.sa_handler = SIG_IGN;
+    ::sigaction(SIGINT, &ign, &int_);
+    ::sigaction(SIGQUIT, &ign, &quit_);
+  }
+  ~IgnoreInterrupts() {
+    ::sigaction(SIGINT, &int_, nullptr);
+    ::sigaction(SIGQUIT, &quit_, nullptr);
+  }
+  IgnoreInterrupts(const IgnoreInterrupts&) = delete;
+  IgnoreInterrupts& operator=(const IgnoreInterrupts&) = delete;
+  const struct sigaction& saved_int() const { return int_; }
+
+ private:
+  struct sigaction int_ {};
+  struct sigaction quit_ {};
+};
+
+int spawn_and_wait(const std::vector<std::string>& command, std::vector<std::string> env) {
+  auto args = command;
+  auto cargs = c_strings(args);
+  auto cenv = c_strings(env);
+  IgnoreInterrupts ignore;
+  // The child gets the signal dispositions we had, not our temporary SIG_IGN.
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  sigset_t defaults;
+  sigemptyset(&defaults);
+  if (ignore.saved_int().sa_handler != SIG_IGN) {
+    sigaddset(&defaults, SIGINT);
+    sigaddset(&defaults, SIGQUIT);
+  }
+  posix_spawnattr_setsigdefault(&attr, &defaults);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGDEF);
+  pid_t pid = -1;
+  int rc = ::posix_spawnp(&pid, args[0].c_str(), nullptr, &attr, cargs.data(), cenv.data());
+  posix_spawnattr_destroy(&attr);
+  if (rc != 0) {
+    throw TraceError("cannot run " + command[0] + ": " + std::strerror(rc),
+                     rc == ENOENT ? 127 : 126);
+  }
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0) {
+    if (errno != EINTR) throw TraceError(std::string("waitpid: ") + std::strerror(errno), 2);
+  }
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+std::vector<Event> read_events(const std::string& path, nlohmann::json* all) {
+  std::vector<Event> out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_discarded() || !j.is_object()) continue;  // a line cut by a process that died
+    Event e;
+    e.kind = j.value("event", "");
+    e.pid = j.value("pid", 0);
+    e.ppid = j.value("ppid", 0);
+    e.time = j.value("time", 0.0);
+    e.what = j.value("what", "");
+    e.site = j.value("site", "");
+    e.json = line;
+    out.push_back(std::move(e));
+    all->push_back(std::move(j));
+  }
+  std::stable_sort(out.begin(), out.end(),
+                   [](const Event& a, const Event& b) { return a.time < b.time; });
+  return out;
+}
+
+std::string plural(size_t n, const char* one, const char* many) {
+  return std::to_string(n) + " " + (n == 1 ? one : many);
+}
+
+}  // namespace
+
+bool Result::found() const {
+  return std::any_of(events.begin(), events.end(), [](const Event& e) {
+    return e.kind == "dirty_fork" || e.kind == "poisoned_touch";
+  });
+}
+
+std::string Result::summary() const {
+  const Event* init = nullptr;
+  const Event* first_fork = nullptr;
+  std::set<int> loaded, forked_children;
+  std::vector<const Event*> touches;
+  size_t forks = 0;
+  for (const auto& e : events) {
+    if (e.kind == "driver_loaded") loaded.insert(e.pid);
+    if (e.kind == "cuda_init" && init == nullptr) init = &e;
+    if (e.kind == "dirty_fork") {
+      ++forks;
+      if (first_fork == nullptr) first_fork = &e;
+    }
+    if (e.kind == "poisoned_touch") touches.push_back(&e);
+  }
+  std::ostringstream s;
+  s << "forkguard trace: ";
+  if (!found()) {
+    s << "nothing to report: no fork after CUDA initialization";
+    if (init != nullptr) {
+      s << " (CUDA initialized in PID " << init->pid << " at " << init->site << ")";
+    } else if (!loaded.empty()) {
+      s << " (a CUDA library was loaded in " << plural(loaded.size(), "process", "processes")
+        << ", CUDA never initialized)";
+    }
+    s << ".";
+    return s.str();
+  }
+  if (init != nullptr) {
+    s << "CUDA was initialized in PID " << init->pid << " at " << init->site << "; ";
+  }
+  if (first_fork != nullptr) {
+    s << "PID " << first_fork->pid << " then forked " << plural(forks, "time", "times")
+      << " (first at " << first_fork->site << ")";
+  }
+  if (!touches.empty()) {
+    s << (first_fork != nullptr ? ", and " : "") << plural(touches.size(), "child", "children")
+      << " touched CUDA where it cannot work (PID ";
+    for (size_t i = 0; i < touches.size(); ++i) {
+      s << (i ? ", " : "") << touches[i]->pid;
+    }
+    s << ", first at " << touches.front()->site << ")";
+  }
+  s << ". Those children get CUDA_ERROR_NOT_INITIALIZED from every CUDA call: start them with "
+       "spawn or a fork server, or move the CUDA call after the fork (reports above). Exit code "
+    << exit_code << ".";
+  return s.str();
+}
+
+std::string find_library() {
+  if (const char* v = std::getenv("FORKGUARD_TRACE_LIBRARY"); v != nullptr && *v != '\0') {
+    if (!is_file(v)) throw TraceError(std::string("FORKGUARD_TRACE_LIBRARY: no such file ") + v, 2);
+    return v;
+  }
+  char exe[4096];
+  ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
+  if (n <= 0) throw TraceError("cannot find this program (/proc/self/exe)", 2);
+  exe[n] = '\0';
+  const std::string prefix = dir_of(dir_of(exe));
+  for (const std::string& dir : {prefix + "/lib", prefix + "/" + FORKGUARD_INSTALL_LIBDIR}) {
+    if (is_file(dir + "/" + kLibraryName)) return dir + "/" + kLibraryName;
+  }
+  throw TraceError(std::string("cannot find ") + kLibraryName + " in " + prefix + "/lib or " +
+                       prefix + "/" + FORKGUARD_INSTALL_LIBDIR +
+                       " (set FORKGUARD_TRACE_LIBRARY to its path)",
+                   2);
+}
+
+Result run(const Options& options, const std::vector<std::string>& command) {
+  if (command.empty()) throw TraceError("no command to trace", 2);
+  const std::string library = options.library.empty() ? find_library() : options.library;
+  TempFile tmp;
+  const std::string events = make_events_file(tmp);
+  Result result;
+  result.exit_code = spawn_and_wait(command, traced_environment(library, events, options.strict));
+  nlohmann::json all = nlohmann::json::array();
+  result.events = read_events(events, &all);
+  std::sort(all.begin(), all.end(), [](const nlohmann::json& a, const nlohmann::json& b) {
+    return a.value("time", 0.0) < b.value("time", 0.0);
+  });
+  if (!options.json_path.empty()) {
+    nlohmann::ordered_json doc;
+    doc["command"] = command;
+    doc["exit_code"] = result.exit_code;
+    doc["found"] = result.found();
+    doc["events"] = all;
+    std::ofstream out(options.json_path);
+    out << doc.dump(2) << "\n";
+    if (!out) throw TraceError("cannot write " + options.json_path, 2);
+  }
+  return result;
+}
+
+}  // namespace forkguard::trace

@@ -1,0 +1,303 @@
+// forkguard trace as a user runs it: the CLI over C++ helper programs and Debian's python3, with
+// the test driver standing in for the GPU. What is checked is what the user reads (the reports
+// name the program's own functions and lines), the exit codes, and the JSON events.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+
+#include "paths.hpp"
+
+namespace ft = forkguard::testing;
+using nlohmann::json;
+
+namespace {
+
+const std::string kTraceFork = FORKGUARD_HELPER_DIR "/trace_fork";
+const std::string kHelperSource = FORKGUARD_SOURCE_DIR "/tests/helpers/trace_fork.cpp";
+const std::string kPythonFork = FORKGUARD_TRACE_TEST_DIR "/python_fork.py";
+const std::string kPython = "/usr/bin/python3";
+
+// The line of `source` that carries `marker` (1-based), for checking file:line in the reports.
+int line_of(const std::string& source, const std::string& marker) {
+  std::ifstream in(source);
+  std::string line;
+  for (int n = 1; std::getline(in, line); ++n) {
+    if (line.find(marker) != std::string::npos) return n;
+  }
+  ADD_FAILURE() << marker << " not found in " << source;
+  return -1;
+}
+
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+size_t count(const std::string& haystack, const std::string& needle) {
+  size_t n = 0;
+  for (size_t at = haystack.find(needle); at != std::string::npos;
+       at = haystack.find(needle, at + 1)) {
+    ++n;
+  }
+  return n;
+}
+
+class Trace : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    env_ = ft::fake_cuda_env(dir_.path());
+    env_["FORKGUARD_TRACE_LIBRARY"] = std::nullopt;
+#ifdef FORKGUARD_SANITIZED_BUILD
+    // The helpers are instrumented, the preloaded library is not (it is loaded into programs we
+    // did not build): ASan must not insist on coming first in the library list.
+    const char* asan = std::getenv("ASAN_OPTIONS");
+    env_["ASAN_OPTIONS"] =
+        std::string(asan != nullptr ? asan : "") + (asan ? ":" : "") + "verify_asan_link_order=0";
+#endif
+  }
+  void TearDown() override {
+    // Every process the traced command started has been waited for.
+    EXPECT_TRUE(ft::children_of(::getpid()).empty());
+  }
+
+  ft::RunResult trace(std::vector<std::string> options, const std::vector<std::string>& command) {
+    std::vector<std::string> argv = {ft::kForkguard, "trace"};
+    argv.insert(argv.end(), options.begin(), options.end());
+    argv.push_back("--");
+    argv.insert(argv.end(), command.begin(), command.end());
+    return ft::run(argv, env_);
+  }
+
+  // The Python programs load the uninstrumented copy of the test driver.
+  void use_plain_driver() {
+    env_["FORKGUARD_CUDA_DRIVER"] = FORKGUARD_TRACE_PLAIN_DRIVER;
+  }
+
+  std::string init_site() const {
+    return "initialize_cuda_in_parent at " + kHelperSource + ":" +
+           std::to_string(line_of(kHelperSource, "trace-test: init site"));
+  }
+
+  ft::TempDir dir_;
+  ft::EnvOverrides env_;
+};
+
+TEST_F(Trace, InitThenForkReportsTheForkAndTheInitSiteWithTheHelpersFunctions) {
+  auto r = trace({}, {kTraceFork, "init", "fork-exit"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "parent cuInit = 0\nchild exited 0\n");
+  const std::string fork_site = "fork_worker_that_exits at " + kHelperSource + ":" +
+                                std::to_string(line_of(kHelperSource, "trace-test: fork site"));
+  EXPECT_TRUE(contains(r.err, "forked child PID")) << r.err;
+  EXPECT_TRUE(contains(r.err, "fork() called at " + fork_site + ":")) << r.err;
+  EXPECT_TRUE(contains(r.err, "CUDA was initialized in PID")) << r.err;
+  EXPECT_TRUE(contains(r.err, " at " + init_site() + " (cuInit(0) = CUDA_SUCCESS)")) << r.err;
+  // Both stacks, symbolized down to main().
+  EXPECT_TRUE(contains(r.err, "#0 " + fork_site)) << r.err;
+  EXPECT_TRUE(contains(r.err, "#0 " + init_site())) << r.err;
+  EXPECT_TRUE(contains(r.err, "#1 main at ")) << r.err;
+  EXPECT_TRUE(contains(r.err, "driver loaded: libcuda.so.1")) << r.err;
+  EXPECT_TRUE(contains(r.err, "at load_cuda_driver at ")) << r.err;
+  EXPECT_TRUE(contains(r.err, "device files opened: nvidiactl, nvidia-uvm, nvidia0")) << r.err;
+  EXPECT_TRUE(contains(r.err, "verdict initialized")) << r.err;
+  EXPECT_TRUE(contains(r.err, "spawn or a fork server")) << r.err;
+  EXPECT_TRUE(contains(r.err, "PYTORCH_NVML_BASED_CUDA_CHECK=1")) << r.err;
+  EXPECT_TRUE(contains(r.err, "CPU-only")) << r.err;
+  // The summary, last.
+  EXPECT_TRUE(contains(r.err, "forkguard trace: CUDA was initialized in PID")) << r.err;
+}
+
+TEST_F(Trace, ASecondForkFromTheSamePlaceIsOneLine) {
+  auto r = trace({}, {kTraceFork, "init", "fork-exit", "fork-exit"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(count(r.err, "fork() called at"), 1u) << r.err;
+  EXPECT_EQ(count(r.err, "forked again after CUDA was initialized"), 1u) << r.err;
+  EXPECT_TRUE(contains(r.err, "forked 2 times")) << r.err;
+}
+
+TEST_F(Trace, LoadingTheDriverOrNvmlThenForkingReportsNothing) {
+  for (auto steps : std::vector<std::vector<std::string>>{{"load", "fork-exit"},
+                                                          {"load", "nvml", "fork-exit"}}) {
+    steps.insert(steps.begin(), kTraceFork);
+    auto r = trace({"--quiet"}, steps);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_EQ(r.err, "") << steps[1];
+  }
+  // Without --quiet: the summary alone, saying so.
+  auto r = trace({}, {kTraceFork, "load", "fork-exit"});
+  EXPECT_EQ(r.err,
+            "forkguard trace: nothing to report: no fork after CUDA initialization (a CUDA "
+            "library was loaded in 1 process, CUDA never initialized).\n");
+}
+
+TEST_F(Trace, ForkThenExecAndPosixSpawnAfterInitReportNothing) {
+  for (const char* step : {"fork-exec", "spawn"}) {
+    auto r = trace({"--quiet"}, {kTraceFork, "init", step});
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_EQ(r.out, "parent cuInit = 0\nchild exited 0\n");
+    EXPECT_EQ(r.err, "") << step;
+  }
+}
+
+TEST_F(Trace, APoisonedChildsReportNamesTheParentAndItsInitSite) {
+  auto r = trace({}, {kTraceFork, "init", "fork-touch"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "child cuInit = 3\n")) << r.out;  // behaviour unchanged
+  const std::string touch_site = "worker_touches_cuda at " + kHelperSource + ":" +
+                                 std::to_string(line_of(kHelperSource, "trace-test: touch site"));
+  EXPECT_TRUE(contains(r.err, "touched CUDA (cuInit) at " + touch_site +
+                                  ", but it was forked "
+                                  "from PID "))
+      << r.err;
+  EXPECT_TRUE(contains(r.err, "CUDA calls in this process fail with CUDA_ERROR_NOT_INITIALIZED"))
+      << r.err;
+  EXPECT_TRUE(contains(r.err, "in the parent, PID ")) << r.err;
+  // The parent's init site appears in the child's report and in the parent's fork report.
+  EXPECT_EQ(count(r.err, " at " + init_site() + " (cuInit(0) = CUDA_SUCCESS)"), 2u) << r.err;
+  EXPECT_TRUE(contains(r.err, "1 child touched CUDA where it cannot work")) << r.err;
+}
+
+TEST_F(Trace, StrictStopsThePoisonedChildAtItsFirstTouchWithExitCode70) {
+  auto r = trace({"--strict"}, {kTraceFork, "init", "fork-touch"});
+  EXPECT_EQ(r.exit_code, 70) << r.err;  // the helper exits with its child's code
+  EXPECT_EQ(r.out, "parent cuInit = 0\nchild exited 70\n");
+  EXPECT_TRUE(contains(r.err, "forkguard trace --strict: exiting with code 70 here.")) << r.err;
+  EXPECT_TRUE(contains(r.err, "touched CUDA (cuInit) at worker_touches_cuda")) << r.err;
+  // Without --strict the same child goes on (and fails with CUDA_ERROR_NOT_INITIALIZED).
+  auto plain = trace({"--quiet"}, {kTraceFork, "init", "fork-touch"});
+  EXPECT_EQ(plain.exit_code, 0);
+}
+
+TEST_F(Trace, JsonHasEveryEventWithPidsTimesAndFrames) {
+  const std::string path = dir_.path() + "/events.json";
+  auto r = trace({"--json", path}, {kTraceFork, "init", "fork-touch"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::ifstream in(path);
+  json doc = json::parse(in);
+  EXPECT_EQ(doc["exit_code"], 0);
+  EXPECT_EQ(doc["found"], true);
+  EXPECT_EQ(doc["command"][0], kTraceFork);
+  std::map<std::string, std::vector<json>> by_kind;
+  for (const auto& e : doc["events"]) {
+    for (const char* key :
+         {"event", "pid", "ppid", "time", "what", "site", "native_frames", "python_frames"}) {
+      EXPECT_TRUE(e.contains(key)) << key << " in " << e.dump();
+    }
+    by_kind[e["event"]].push_back(e);
+  }
+  ASSERT_EQ(by_kind["driver_loaded"].size(), 1u);
+  ASSERT_EQ(by_kind["cuda_init"].size(), 1u);
+  ASSERT_EQ(by_kind["dirty_fork"].size(), 1u);
+  ASSERT_EQ(by_kind["poisoned_touch"].size(), 1u);
+  std::set<std::string> devices;
+  for (const auto& e : by_kind["device_opened"]) devices.insert(e["device"]);
+  EXPECT_EQ(devices, (std::set<std::string>{"nvidiactl", "nvidia-uvm", "nvidia0", "nvidia1"}));
+
+  const json& init = by_kind["cuda_init"][0];
+  const json& fork = by_kind["dirty_fork"][0];
+  const json& touch = by_kind["poisoned_touch"][0];
+  const int parent = init["pid"];
+  EXPECT_EQ(fork["pid"], parent);
+  EXPECT_EQ(touch["ppid"], parent);
+  EXPECT_EQ(touch["parent_pid"], parent);
+  EXPECT_EQ(fork["child_pid"], touch["pid"]);
+  EXPECT_EQ(fork["verdict"], "initialized");
+  EXPECT_EQ(init["native_frames"][0]["function"], "initialize_cuda_in_parent");
+  EXPECT_EQ(init["native_frames"][0]["line"], line_of(kHelperSource, "trace-test: init site"));
+  EXPECT_EQ(init["native_frames"][0]["file"], kHelperSource);
+  EXPECT_EQ(fork["native_frames"][0]["function"], "fork_worker_that_uses_cuda");
+  EXPECT_EQ(touch["native_frames"][0]["function"], "worker_touches_cuda");
+  EXPECT_EQ(touch["parent_init_site"], init["site"]);
+  EXPECT_LE(init["time"].get<double>(), fork["time"].get<double>());
+}
+
+TEST_F(Trace, PassesTheExitCodeThrough) {
+  EXPECT_EQ(trace({"--quiet"}, {"/bin/sh", "-c", "exit 7"}).exit_code, 7);
+  EXPECT_EQ(trace({"--quiet"}, {"/bin/sh", "-c", "kill -TERM $$"}).exit_code, 128 + SIGTERM);
+  auto missing = trace({}, {"/nonexistent/program"});
+  EXPECT_EQ(missing.exit_code, 127);
+  EXPECT_TRUE(contains(missing.err, "forkguard trace: cannot run /nonexistent/program"))
+      << missing.err;
+}
+
+TEST_F(Trace, TheLibraryChangesNothingInAProgramThatNeverTouchesCuda) {
+  env_["LD_PRELOAD"] = FORKGUARD_TRACE_LIBRARY;
+  auto r = ft::run({"/bin/sh", "-c", "echo hi; /bin/true && echo done"}, env_);
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_EQ(r.out, "hi\ndone\n");
+  EXPECT_EQ(r.err, "");
+}
+
+// --- Python ------------------------------------------------------------------------------------
+
+TEST_F(Trace, PythonForkNamesTheInitFunctionsLineAndTheProcessStartLine) {
+  use_plain_driver();
+  auto r = trace({}, {kPython, kPythonFork, "fork"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "parent cuInit = 0\nchild exited 3\n");
+  const int init_line = line_of(kPythonFork, "# marker: init");
+  const int start_line = line_of(kPythonFork, "# marker: start");
+  const int worker_line = line_of(kPythonFork, "# marker: worker");
+  EXPECT_TRUE(contains(
+      r.err, "fork() called at " + kPythonFork + ":" + std::to_string(start_line) + " in main():"))
+      << r.err;
+  EXPECT_TRUE(contains(r.err, "CUDA was initialized in PID")) << r.err;
+  EXPECT_TRUE(contains(r.err, " at " + kPythonFork + ":" + std::to_string(init_line) +
+                                  " in init_cuda() (cuInit(0) = CUDA_SUCCESS)"))
+      << r.err;
+  // Python-style frames, the way a traceback prints them.
+  EXPECT_TRUE(contains(r.err, "File \"" + kPythonFork + "\", line " + std::to_string(init_line) +
+                                  ", in init_cuda\n"))
+      << r.err;
+  EXPECT_TRUE(contains(
+      r.err, "File \"" + kPythonFork + "\", line " + std::to_string(start_line) + ", in main\n"))
+      << r.err;
+  // The worker's own touch, named in the child's report.
+  EXPECT_TRUE(contains(r.err, "touched CUDA (cuInit) at " + kPythonFork + ":" +
+                                  std::to_string(worker_line) + " in worker()"))
+      << r.err;
+}
+
+TEST_F(Trace, PythonSpawnAndForkserverReportNothing) {
+  use_plain_driver();
+  for (const char* method : {"spawn", "forkserver"}) {
+    auto r = trace({"--quiet"}, {kPython, kPythonFork, method});
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_EQ(r.out, "parent cuInit = 0\nchild exited 0\n") << method;
+    EXPECT_EQ(r.err, "") << method;
+  }
+}
+
+TEST_F(Trace, PythonJsonHasPythonFrames) {
+  use_plain_driver();
+  const std::string path = dir_.path() + "/events.json";
+  auto r = trace({"--quiet", "--json", path}, {kPython, kPythonFork, "fork"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::ifstream in(path);
+  json doc = json::parse(in);
+  bool init_seen = false;
+  for (const auto& e : doc["events"]) {
+    if (e["event"] != "cuda_init") continue;
+    init_seen = true;
+    ASSERT_FALSE(e["python_frames"].empty()) << e.dump();
+    EXPECT_EQ(e["python_frames"][0]["file"], kPythonFork);
+    EXPECT_EQ(e["python_frames"][0]["function"], "init_cuda");
+    EXPECT_EQ(e["python_frames"][0]["line"], line_of(kPythonFork, "# marker: init"));
+  }
+  EXPECT_TRUE(init_seen) << doc.dump(1);
+}
+
+TEST_F(Trace, ImportTorchPrintsNothingAndExitsZero) {
+  if (ft::run({kPython, "-c", "import torch"}).exit_code != 0) {
+    GTEST_SKIP() << "Debian's python3-torch is not installed";
+  }
+  auto r = trace({"--quiet"}, {kPython, "-c", "import torch"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "");
+  EXPECT_EQ(r.err, "");
+}
+
+}  // namespace
