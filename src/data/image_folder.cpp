@@ -79,24 +79,25 @@ ImageFolder::ImageFolder(std::string root) : root_(std::move(root)) {
         fmt::format("{}: no class directories (ImageFolder expects root/<class>/<image>)", root_));
   }
   for (size_t c = 0; c < classes_.size(); ++c) {
-    std::vector<std::string> found;
+    // (directory, file name) pairs: torchvision sorts the walk by directory, then the names
+    // within each directory, comparing strings as Python does (by code point: byte order for
+    // UTF-8), not path elements. Split once, not in every comparison.
+    std::vector<std::pair<std::string, std::string>> found;
     fs::path dir = fs::path(root_) / classes_[c];
     auto opts = fs::directory_options::follow_directory_symlink |
                 fs::directory_options::skip_permission_denied;
     for (auto it = fs::recursive_directory_iterator(dir, opts, ec);
          !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
-      if (!it->is_directory() && is_image(it->path())) found.push_back(it->path().string());
+      const fs::path& p = it->path();
+      if (is_image(p) && !it->is_directory()) {
+        found.emplace_back(p.parent_path().string(), p.filename().string());
+      }
     }
     if (ec) throw DataError(fmt::format("{}: cannot list: {}", dir.string(), ec.message()));
-    // torchvision sorts the walk by directory, then the names within each directory.
-    std::sort(found.begin(), found.end(), [](const std::string& a, const std::string& b) {
-      // As Python compares strings: by code point (byte order for UTF-8), not path elements.
-      fs::path pa(a), pb(b);
-      std::string da = pa.parent_path().string(), db = pb.parent_path().string();
-      if (da != db) return da < db;
-      return pa.filename().string() < pb.filename().string();
-    });
-    for (auto& p : found) files_.push_back({std::move(p), static_cast<int64_t>(c)});
+    std::sort(found.begin(), found.end());
+    for (auto& [d, name] : found) {
+      files_.push_back({d + "/" + name, static_cast<int64_t>(c)});
+    }
   }
   if (files_.empty()) throw DataError(fmt::format("{}: no image files under any class", root_));
 }

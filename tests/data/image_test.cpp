@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 #include <png.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -33,7 +34,8 @@ std::vector<uint8_t> picture(int w, int h) {
   return rgb;
 }
 
-std::vector<uint8_t> encode_jpeg(const std::vector<uint8_t>& rgb, int w, int h, int comps = 3) {
+std::vector<uint8_t> encode_jpeg(const std::vector<uint8_t>& rgb, int w, int h, int comps = 3,
+                                 const std::vector<uint8_t>& app1 = {}) {
   jpeg_compress_struct c{};
   jpeg_error_mgr err{};
   c.err = jpeg_std_error(&err);
@@ -48,6 +50,9 @@ std::vector<uint8_t> encode_jpeg(const std::vector<uint8_t>& rgb, int w, int h, 
   jpeg_set_defaults(&c);
   jpeg_set_quality(&c, 95, TRUE);
   jpeg_start_compress(&c, TRUE);
+  if (!app1.empty()) {
+    jpeg_write_marker(&c, JPEG_APP0 + 1, app1.data(), static_cast<unsigned>(app1.size()));
+  }
   std::vector<uint8_t> gray;
   while (c.next_scanline < c.image_height) {
     JSAMPROW row = const_cast<uint8_t*>(&rgb[static_cast<size_t>(c.next_scanline) * w * comps]);
@@ -140,6 +145,34 @@ TEST(ImageResample, VectorKernelsAreBitIdenticalToThePortableOnes) {
     fi::resample(src.data(), c.w, c.h, c.box, c.out, c.out, slow.data(), fi::Kernel::kPortable);
     EXPECT_EQ(fast, slow) << c.w << "x" << c.h << " -> " << c.out;
   }
+}
+
+// EXIF orientation is ignored, as torchvision's ImageFolder (Pillow's open + convert) ignores it:
+// a photo tagged "rotate 90" gives the same pixels, in the same shape, as the untagged one.
+TEST(ImageDecode, ExifOrientationIsIgnoredAsTorchvisionDoes) {
+  const int w = 400, h = 300;
+  const std::vector<uint8_t> exif = {'E',  'x',  'i', 'f',  0, 0,        // APP1 Exif
+                                     'M',  'M',  0,   0x2A, 0, 0, 0, 8,  // TIFF header
+                                     0,    1,                            // one entry
+                                     0x01, 0x12, 0,   3,    0, 0, 0, 1,
+                                     0,    6,    0,   0,  // Orientation 6
+                                     0,    0,    0,   0};
+  auto plain = encode_jpeg(picture(w, h), w, h);
+  auto tagged = encode_jpeg(picture(w, h), w, h, 3, exif);
+  ASSERT_NE(plain, tagged);
+  ASSERT_NE(std::search(tagged.begin(), tagged.end(), exif.begin(), exif.begin() + 4),
+            tagged.end());
+  for (bool train : {false, true}) {
+    fd::ImageTransform t({.train = train, .dtype = fd::DType::kUInt8, .layout = fd::Layout::kNHWC});
+    std::vector<std::byte> a(t.output().bytes()), b(a.size());
+    fd::Rng r1(9, 0, 4), r2(9, 0, 4);
+    t.apply({plain, 0, "plain.jpg"}, a, r1);
+    t.apply({tagged, 0, "tagged.jpg"}, b, r2);
+    EXPECT_EQ(a, b) << (train ? "train" : "eval");
+  }
+  auto full = decode(tagged, {0, 0, 400, 300}, 224, false);
+  EXPECT_EQ(full.width, w);  // not turned into 300 x 400
+  EXPECT_EQ(full.height, h);
 }
 
 TEST(ImageDecode, GrayJpegAndPngFormatsBecomeRgb) {
