@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "forkguard/data/loader.hpp"
 
@@ -31,7 +32,12 @@ struct LoaderBenchOptions {
 struct LoaderBenchResult {
   double images_per_second = 0;    // after the first batch
   double first_batch_seconds = 0;  // from the loader's construction
-  uint64_t peak_rss_bytes = 0;     // of this process (workers' own memory is shared slots)
+  // This process's peak RSS plus each process worker's (VmHWM): an upper bound, since the shared
+  // slots count in every process that touched them.
+  uint64_t peak_rss_bytes = 0;
+  // At the end of each epoch: the proportional set size (Pss: shared pages divided among their
+  // processes) of this process and its process workers together. Flat when nothing leaks.
+  std::vector<uint64_t> epoch_pss_bytes;
   uint64_t images = 0;
   uint64_t skipped = 0;
   std::string digest;  // hex FNV-1a 64 of every batch's images and labels; "" if off
