@@ -70,7 +70,7 @@ Region decode_jpeg(const uint8_t* data, size_t size, const std::string& name,
                    const DecodeOptions& o, const std::function<Box(int, int)>& choose_box) {
   // Everything with a destructor lives before setjmp: longjmp never skips one.
   Region r;
-  std::vector<uint8_t> cmyk;
+  Pixels cmyk;
   std::vector<JSAMPROW> rows;
   std::string failure;
   jpeg_decompress_struct cinfo{};

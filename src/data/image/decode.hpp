@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -16,10 +17,33 @@ struct Box {  // in pixels of the full-size image: [x0, x1) x [y0, y1)
   double height() const { return y1 - y0; }
 };
 
+// Bytes that are not zeroed when sized (the decoder overwrites every one): a vector's resize()
+// would clear a few hundred kilobytes per image for nothing.
+class Pixels {
+ public:
+  void resize(size_t n) {
+    if (n > capacity_) {
+      data_.reset(new uint8_t[n]);
+      capacity_ = n;
+    }
+    size_ = n;
+  }
+  uint8_t* data() { return data_.get(); }
+  const uint8_t* data() const { return data_.get(); }
+  size_t size() const { return size_; }
+  uint8_t& operator[](size_t i) { return data_[i]; }
+  const uint8_t& operator[](size_t i) const { return data_[i]; }
+
+ private:
+  std::unique_ptr<uint8_t[]> data_;
+  size_t size_ = 0;
+  size_t capacity_ = 0;
+};
+
 // The decoded pixels around a box: 8-bit RGB, `width` x `height`, and the box in those pixels'
 // coordinates (scaled by 1/scale_denom, offset by the region's origin).
 struct Region {
-  std::vector<uint8_t> rgb;
+  Pixels rgb;
   int width = 0;
   int height = 0;
   Box box;
