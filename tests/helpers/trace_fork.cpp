@@ -4,6 +4,10 @@
 //   trace_fork STEP...
 //     load         dlopen the driver (FORKGUARD_CUDA_DRIVER, else libcuda.so.1)
 //     init         cuInit(0) through dlsym, as forkguard and ctypes reach it
+//     init-gpa     cuInit(0) through cuGetProcAddress, as the CUDA runtime reaches it
+//     init-linked  cuInit(0) called directly (trace_linked only: linked against the driver)
+//     nvml-by-name dlopen("libnvidia-ml.so.1") by bare name, found through this program's own
+//                  RUNPATH (trace_linked only)
 //     nvml         dlopen NVML (FORKGUARD_NVML_LIBRARY) and nvmlInit_v2
 //     fork-touch   fork; the child calls cuInit(0) and exits 0 (its result printed)
 //     fork-exit    fork; the child exits 0 at once
@@ -57,6 +61,34 @@ using CuInit = int (*)(unsigned);
   std::printf("parent cuInit = %d\n", call_cuinit());  // trace-test: init site
   std::fflush(stdout);
 }
+
+[[gnu::noinline]] void initialize_cuda_through_get_proc_address() {
+  if (g_driver == nullptr) load_cuda_driver();
+  using GetProc = int (*)(const char*, void**, int, unsigned long long);
+  auto get_proc = reinterpret_cast<GetProc>(::dlsym(g_driver, "cuGetProcAddress"));
+  void* fn = nullptr;
+  if (get_proc == nullptr || get_proc("cuInit", &fn, 12000, 0) != 0 || fn == nullptr) {
+    std::fprintf(stderr, "trace_fork: cuGetProcAddress(cuInit) failed\n");
+    std::exit(2);
+  }
+  std::printf("parent cuInit = %d\n", reinterpret_cast<CuInit>(fn)(0));  // trace-test: gpa site
+  std::fflush(stdout);
+}
+
+#ifdef TRACE_FORK_LINKED
+extern "C" int cuInit(unsigned);
+
+[[gnu::noinline]] void initialize_cuda_linked() {
+  std::printf("parent cuInit = %d\n", cuInit(0));  // trace-test: linked init site
+  std::fflush(stdout);
+}
+
+[[gnu::noinline]] void load_nvml_by_name() {
+  void* h = ::dlopen("libnvidia-ml.so.1", RTLD_NOW);  // trace-test: nvml by name
+  std::printf("dlopen(libnvidia-ml.so.1) %s\n", h != nullptr ? "ok" : ::dlerror());
+  std::fflush(stdout);
+}
+#endif
 
 [[gnu::noinline]] void open_nvml() {
   const char* lib = std::getenv("FORKGUARD_NVML_LIBRARY");
@@ -127,6 +159,14 @@ int main(int argc, char** argv) {
       load_cuda_driver();
     } else if (step == "init") {
       initialize_cuda_in_parent();
+    } else if (step == "init-gpa") {
+      initialize_cuda_through_get_proc_address();
+#ifdef TRACE_FORK_LINKED
+    } else if (step == "init-linked") {
+      initialize_cuda_linked();
+    } else if (step == "nvml-by-name") {
+      load_nvml_by_name();
+#endif
     } else if (step == "nvml") {
       open_nvml();
     } else if (step == "fork-touch") {

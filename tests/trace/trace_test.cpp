@@ -17,6 +17,7 @@ using nlohmann::json;
 namespace {
 
 const std::string kTraceFork = FORKGUARD_HELPER_DIR "/trace_fork";
+const std::string kTraceLinked = FORKGUARD_HELPER_DIR "/trace_linked";
 const std::string kHelperSource = FORKGUARD_SOURCE_DIR "/tests/helpers/trace_fork.cpp";
 const std::string kPythonFork = FORKGUARD_TRACE_TEST_DIR "/python_fork.py";
 const std::string kPython = "/usr/bin/python3";
@@ -212,6 +213,49 @@ TEST_F(Trace, JsonHasEveryEventWithPidsTimesAndFrames) {
   EXPECT_EQ(touch["native_frames"][0]["function"], "worker_touches_cuda");
   EXPECT_EQ(touch["parent_init_site"], init["site"]);
   EXPECT_LE(init["time"].get<double>(), fork["time"].get<double>());
+}
+
+TEST_F(Trace, CuInitReachedThroughCuGetProcAddressIsTheInitSite) {
+  auto r = trace({}, {kTraceFork, "init-gpa", "fork-exit"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "parent cuInit = 0\nchild exited 0\n");
+  const std::string site = "initialize_cuda_through_get_proc_address at " + kHelperSource + ":" +
+                           std::to_string(line_of(kHelperSource, "trace-test: gpa site"));
+  EXPECT_TRUE(contains(r.err, " at " + site + " (cuInit(0) = CUDA_SUCCESS)")) << r.err;
+}
+
+TEST_F(Trace, AProgramLinkedAgainstTheDriverHasItsInitSiteFromTheUvmOpen) {
+  auto r = trace({}, {kTraceLinked, "init-linked", "fork-exit"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "parent cuInit = 0\nchild exited 0\n");
+  const std::string site = "initialize_cuda_linked at " + kHelperSource + ":" +
+                           std::to_string(line_of(kHelperSource, "trace-test: linked init site"));
+  EXPECT_TRUE(contains(r.err, " at " + site + " (CUDA initialized (first open of nvidia-uvm"))
+      << r.err;
+  EXPECT_TRUE(contains(r.err, "driver loaded: libcuda.so.1")) << r.err;
+  EXPECT_TRUE(contains(r.err, "(linked at start-up)")) << r.err;
+}
+
+TEST_F(Trace, ADlopenByBareNameStillSearchesTheCallersRunpath) {
+  // Found only through trace_linked's own RUNPATH: a dlopen wrapper that became the caller would
+  // make it fail.
+  const std::string path = dir_.path() + "/events.json";
+  auto r = trace({"--quiet", "--json", path}, {kTraceLinked, "nvml-by-name"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "dlopen(libnvidia-ml.so.1) ok\n");
+  EXPECT_EQ(r.err, "");
+  std::ifstream in(path);
+  json doc = json::parse(in);
+  bool seen = false;
+  for (const auto& e : doc["events"]) {
+    if (e["event"] != "driver_loaded" || !contains(e["what"], "libnvidia-ml.so.1")) continue;
+    seen = true;
+    ASSERT_FALSE(e["native_frames"].empty()) << e.dump();
+    EXPECT_EQ(e["native_frames"][0]["function"], "load_nvml_by_name");
+    EXPECT_EQ(e["native_frames"][0]["line"], line_of(kHelperSource, "trace-test: nvml by name"));
+    EXPECT_EQ(e["via"], "dlopen(\"libnvidia-ml.so.1\")");
+  }
+  EXPECT_TRUE(seen) << doc.dump(1);
 }
 
 TEST_F(Trace, PassesTheExitCodeThrough) {

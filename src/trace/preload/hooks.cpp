@@ -154,6 +154,7 @@ std::atomic<bool> g_init_recorded{false};         // a cuda_init event exists fo
 // the library arrive.
 struct PendingLoad {
   std::string name;
+  double time = 0;
   RawStack raw;
   Stack stack;
 };
@@ -256,6 +257,7 @@ void scan(const RawStack* raw, const Stack* stack, std::string_view via) {
     }
     if (pending != nullptr) {
       e.raw = pending->raw;
+      e.time = pending->time;
       e.stack = std::move(pending->stack);
       e.fields.emplace_back("via", "dlopen(\"" + pending->name + "\")");
       delete pending;
@@ -327,6 +329,7 @@ CUresult traced_cuinit(unsigned int flags) {
 }
 
 void* wrap_cuinit(void* real) {
+  if (real == reinterpret_cast<void*>(&traced_cuinit)) return real;
   void* expected = nullptr;
   g_real_cuinit.compare_exchange_strong(expected, real);
   return g_real_cuinit.load() == real ? reinterpret_cast<void*>(&traced_cuinit) : real;
@@ -337,7 +340,11 @@ void* get_proc_result(const char* symbol, void* found);
 CUresult traced_get_proc(const char* symbol, void** pfn, int version, unsigned long long flags) {
   auto real = reinterpret_cast<CUresult (*)(const char*, void**, int, unsigned long long)>(
       g_real_get_proc.load());
-  CUresult r = real(symbol, pfn, version, flags);
+  CUresult r = 0;
+  {
+    Busy busy;  // the driver's own lookups are not the program's
+    r = real(symbol, pfn, version, flags);
+  }
   if (r == 0 && pfn != nullptr) *pfn = get_proc_result(symbol, *pfn);
   return r;
 }
@@ -346,7 +353,11 @@ CUresult traced_get_proc_v2(const char* symbol, void** pfn, int version, unsigne
                             void* status) {
   auto real = reinterpret_cast<CUresult (*)(const char*, void**, int, unsigned long long, void*)>(
       g_real_get_proc_v2.load());
-  CUresult r = real(symbol, pfn, version, flags, status);
+  CUresult r = 0;
+  {
+    Busy busy;
+    r = real(symbol, pfn, version, flags, status);
+  }
   if (r == 0 && pfn != nullptr) *pfn = get_proc_result(symbol, *pfn);
   return r;
 }
@@ -771,8 +782,13 @@ __attribute__((constructor)) void start() {
   scan(nullptr, nullptr, "linked at start-up");
 }
 
-// At exit, the forks still undecided are decided (each waits at most its grace period).
+// At exit, the last loads are recorded and the forks still undecided are decided (each waits at
+// most its grace period).
 __attribute__((destructor)) void stop() {
+  if (!t_busy) {
+    Busy busy;
+    scan_if_needed();  // a library loaded by a dlopen forwarded untouched, with no hook since
+  }
   std::unique_lock lock(g_watch_mu);
   if (!g_watcher_running) return;
   g_watcher_exiting = true;
@@ -820,6 +836,7 @@ int forkguard_trace_dlopen_pre(const char* file, int /*mode*/, const void* calle
     ftd::Busy busy;
     auto* pending = new ftd::PendingLoad;
     pending->name = file;
+    pending->time = ftd::now_epoch();
     ftd::capture_pcs(pending->raw);
     ftd::python_frames(pending->stack, ftd::policy_for_caller(caller));
     std::lock_guard lock(ftd::g_mu);

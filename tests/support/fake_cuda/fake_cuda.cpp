@@ -10,6 +10,7 @@
 //   UUIDs) as the real driver does.
 // - Contexts map their GPU's device file (as real contexts map /dev/nvidiaN); memory, streams and
 //   events are host-backed so copies can be checked byte for byte.
+#include <dlfcn.h>
 #include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -518,6 +519,22 @@ CUresult cuEventDestroy_v2(CUevent event) {
   if (event == nullptr) return done("cuEventDestroy_v2", CUDA_ERROR_INVALID_HANDLE);
   delete event;
   return done("cuEventDestroy_v2", CUDA_SUCCESS);
+}
+
+// The CUDA runtime's way to the driver's entry points (cuInit among them): any exported function
+// of this library by name, as the real driver answers for the names it knows.
+CUresult cuGetProcAddress(const char* symbol, void** pfn, int /*cudaVersion*/,
+                          unsigned long long /*flags*/) {
+  if (symbol == nullptr || pfn == nullptr)
+    return done("cuGetProcAddress", CUDA_ERROR_INVALID_VALUE);
+  Dl_info self{};
+  void* handle = nullptr;
+  if (::dladdr(reinterpret_cast<void*>(&cuGetProcAddress), &self) != 0) {
+    handle = ::dlopen(self.dli_fname, RTLD_NOW | RTLD_NOLOAD);
+  }
+  *pfn = handle != nullptr ? ::dlsym(handle, symbol) : nullptr;
+  if (handle != nullptr) ::dlclose(handle);
+  return done("cuGetProcAddress", *pfn != nullptr ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND);
 }
 
 }  // extern "C"
