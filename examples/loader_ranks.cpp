@@ -105,7 +105,8 @@ int main(int argc, char** argv) {
         "{}rank {}: {} images in {:.2f} s = {:.0f} images/s to the {}, first batch {:.0f} ms, "
         "{} process workers, {} skipped\n",
         tty ? "\n" : "", rank, images, seconds, static_cast<double>(images) / seconds,
-        gpu ? "GPU" : "host (no GPU here)", first_batch * 1e3, workers, stats.skipped);
+        gpu ? "GPU" : (host_only ? "host (--host)" : "host (no GPU here)"), first_batch * 1e3,
+        workers, stats.skipped);
     return 0;
   } catch (const forkguard::Error& e) {
     fmt::print(stderr, "rank {}: {}\n", rank, e.what());
