@@ -24,7 +24,7 @@ DeviceStage::DeviceStage(int ordinal, size_t buffers, const SlotLayout& layout)
 
 DeviceStage::~DeviceStage() {
   const auto& api = driver_.api();
-  bind();
+  api.cuCtxSetCurrent(context_);  // unchecked: a destructor has no one to report to
   api.cuStreamSynchronize(stream_);
   for (auto& b : buffers_) {
     api.cuEventDestroy_v2(b->event);

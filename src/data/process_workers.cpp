@@ -220,11 +220,27 @@ class ProcessWorkers : public Workers {
     if (!p.has_slot[static_cast<size_t>(task.slot)]) {
       Slot& s = setup_.pool->get(task.slot);
       int fd = s.memory.fd();
-      send_message(p.sock.get(), {"slot", std::to_string(task.slot), u64(s.memory.size())}, &fd, 1);
+      if (!send_message(p.sock.get(), {"slot", std::to_string(task.slot), u64(s.memory.size())},
+                        &fd, 1) &&
+          errno != EPIPE && errno != ECONNRESET) {
+        throw WorkerError(fmt::format("cannot send slot {} to worker {} (PID {}): {}", task.slot,
+                                      worker, p.pid, std::strerror(errno)),
+                          worker, p.pid, task.indices);
+      }
       p.has_slot[static_cast<size_t>(task.slot)] = true;
     }
-    send_message(p.sock.get(), {"task", u64(task.epoch), u64(task.batch), std::to_string(task.slot),
-                                pack_indices(task.indices), u64(task.first)});
+    if (!send_message(p.sock.get(),
+                      {"task", u64(task.epoch), u64(task.batch), std::to_string(task.slot),
+                       pack_indices(task.indices), u64(task.first)})) {
+      // A dead worker (EPIPE, ECONNRESET) is reported by wait(); anything else would leave the
+      // batch waiting for a task its worker never got.
+      if (errno != EPIPE && errno != ECONNRESET) {
+        throw WorkerError(
+            fmt::format("cannot send batch {} ({} samples) to worker {} (PID {}): {}", task.batch,
+                        task.indices.size(), worker, p.pid, std::strerror(errno)),
+            worker, p.pid, task.indices);
+      }
+    }
   }
 
   std::optional<WorkerEvent> wait(std::optional<Clock::time_point> deadline) override {
@@ -437,6 +453,8 @@ class ProcessWorkers : public Workers {
   void kill(Proc& p) {
     if (p.pidfd) {
       ::syscall(SYS_pidfd_send_signal, p.pidfd.get(), SIGKILL, nullptr, 0);
+    } else if (!p.collected && p.pid > 0) {
+      ::kill(p.pid, SIGKILL);  // no pidfd (pidfd_open failed): not collected, so still ours
     }
   }
 
