@@ -104,7 +104,7 @@ void ImageTransform::apply(const Sample& in, std::span<std::byte> out, Rng& rng)
   });
   const int n = o.size;
   thread_local std::vector<uint8_t> rgb;
-  rgb.resize(static_cast<size_t>(n) * n * 3);
+  rgb.resize(static_cast<size_t>(n) * n * 3 + 16);  // normalize_row reads past a row's end
   image::resample(region.rgb.data(), region.width, region.height, region.box, n, n, rgb.data());
   const size_t plane = static_cast<size_t>(n) * n;
   // Row by row; a flip reads the row backwards. Float outputs go through a per-channel table of
@@ -125,26 +125,25 @@ void ImageTransform::apply(const Sample& in, std::span<std::byte> out, Rng& rng)
     }
     return;
   }
-  float lut[3][256];
-  for (int c = 0; c < 3; ++c) {
-    const float mean = o.mean[static_cast<size_t>(c)], sd = o.std[static_cast<size_t>(c)];
-    for (int v = 0; v < 256; ++v) lut[c][v] = (static_cast<float>(v) / 255.0f - mean) / sd;
+  // Normalize((v / 255 - mean) / std) as one multiply and one add per value (within an ulp of
+  // torchvision's ToTensor + Normalize).
+  float scale[3], bias[3];
+  for (size_t c = 0; c < 3; ++c) {
+    scale[c] = static_cast<float>(1.0 / (255.0 * static_cast<double>(o.std[c])));
+    bias[c] = static_cast<float>(-static_cast<double>(o.mean[c]) / static_cast<double>(o.std[c]));
   }
   if (o.dtype == DType::kFloat32) {
     auto* dst = reinterpret_cast<float*>(out.data());
     for (int y = 0; y < n; ++y) {
-      const uint8_t* row = &rgb[static_cast<size_t>(y) * n * 3];
       float* d0 = dst + static_cast<size_t>(y) * n;
-      float* d1 = d0 + plane;
-      float* d2 = d1 + plane;
-      for (int x = 0; x < n; ++x) {
-        const uint8_t* p = row + 3 * static_cast<size_t>(flip ? n - 1 - x : x);
-        d0[x] = lut[0][p[0]];
-        d1[x] = lut[1][p[1]];
-        d2[x] = lut[2][p[2]];
-      }
+      float* const planes[3] = {d0, d0 + plane, d0 + 2 * plane};
+      image::normalize_row(&rgb[static_cast<size_t>(y) * n * 3], n, flip, scale, bias, planes);
     }
     return;
+  }
+  float lut[3][256];
+  for (int c = 0; c < 3; ++c) {
+    for (int v = 0; v < 256; ++v) lut[c][v] = static_cast<float>(v) * scale[c] + bias[c];
   }
   uint16_t half[3][256];
   for (int c = 0; c < 3; ++c) {

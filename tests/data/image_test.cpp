@@ -147,6 +147,26 @@ TEST(ImageResample, VectorKernelsAreBitIdenticalToThePortableOnes) {
   }
 }
 
+TEST(ImageResample, VectorNormalizeIsBitIdenticalAndMirrors) {
+  const float scale[3] = {1 / (255 * 0.229f), 1 / (255 * 0.224f), 1 / (255 * 0.225f)};
+  const float bias[3] = {-0.485f / 0.229f, -0.456f / 0.224f, -0.406f / 0.225f};
+  for (int n : {224, 13, 8, 1}) {
+    auto row = picture(n, 1);
+    row.resize(row.size() + 16);
+    for (bool flip : {false, true}) {
+      std::vector<float> fast(3 * static_cast<size_t>(n)), slow(fast.size());
+      float* const pf[3] = {fast.data(), fast.data() + n, fast.data() + 2 * n};
+      float* const ps[3] = {slow.data(), slow.data() + n, slow.data() + 2 * n};
+      fi::normalize_row(row.data(), n, flip, scale, bias, pf, fi::Kernel::kAuto);
+      fi::normalize_row(row.data(), n, flip, scale, bias, ps, fi::Kernel::kPortable);
+      EXPECT_EQ(fast, slow) << n << (flip ? " flipped" : "");
+      const int x = n / 3, src = flip ? n - 1 - x : x;
+      EXPECT_NEAR(fast[static_cast<size_t>(n) + x], (row[3 * src + 1] / 255.0 - 0.456) / 0.224,
+                  1e-5);
+    }
+  }
+}
+
 // EXIF orientation is ignored, as torchvision's ImageFolder (Pillow's open + convert) ignores it:
 // a photo tagged "rotate 90" gives the same pixels, in the same shape, as the untagged one.
 TEST(ImageDecode, ExifOrientationIsIgnoredAsTorchvisionDoes) {

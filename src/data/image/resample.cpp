@@ -61,7 +61,8 @@ Taps taps(double in0, double in1, int in_size, int out_size) {
     t.first[static_cast<size_t>(xx)] = xmin;
     t.count[static_cast<size_t>(xx)] = std::max(xmax, 0);
     for (int x = 0; x < t.stride; ++x) {
-      const auto v = static_cast<int32_t>(std::lround(k[static_cast<size_t>(x)] * (1 << kBits)));
+      // Weights are >= 0: adding one half and truncating rounds them as lround would.
+      const auto v = static_cast<int32_t>(k[static_cast<size_t>(x)] * (1 << kBits) + 0.5f);
       t.fixed[static_cast<size_t>(xx) * t.stride + x] = v;
       t.w16[static_cast<size_t>(xx) * t.stride16 + x] = static_cast<int16_t>(v);
     }
@@ -260,6 +261,77 @@ void resample(const uint8_t* src, int w, int h, const Box& box, int out_w, int o
 #endif
     vertical_scalar(rows.data(), k, n, 0, row, out);
   }
+}
+
+namespace {
+
+void normalize_row_scalar(const uint8_t* rgb, int n, bool flip, const float scale[3],
+                          const float bias[3], float* const planes[3], int from) {
+  for (int x = from; x < n; ++x) {
+    const uint8_t* p = rgb + 3 * static_cast<size_t>(flip ? n - 1 - x : x);
+    for (int c = 0; c < 3; ++c) {
+      const float v = static_cast<float>(p[c]) * scale[c];
+      planes[c][x] = v + bias[c];
+    }
+  }
+}
+
+#ifdef FORKGUARD_RESAMPLE_X86
+// 8 pixels at a time: two overlapping 16-byte loads hold pixels 0-3 and 4-7; per channel two
+// shuffles gather its 8 bytes (in reverse order when flipping), widened to 8 floats.
+__attribute__((target("avx2"))) int normalize_row_avx2(const uint8_t* rgb, int n, bool flip,
+                                                       const float scale[3], const float bias[3],
+                                                       float* const planes[3]) {
+  __m128i lo_mask[3], hi_mask[3];
+  for (int c = 0; c < 3; ++c) {
+    alignas(16) int8_t lo[16], hi[16];
+    std::memset(lo, -1, 16);
+    std::memset(hi, -1, 16);
+    for (int i = 0; i < 4; ++i) {
+      const auto at = static_cast<int8_t>(c + 3 * i);
+      if (flip) {
+        lo[7 - i] = at;  // pixels 0-3 to positions 7-4
+        hi[3 - i] = at;  // pixels 4-7 to positions 3-0
+      } else {
+        lo[i] = at;
+        hi[4 + i] = at;
+      }
+    }
+    lo_mask[c] = _mm_load_si128(reinterpret_cast<const __m128i*>(lo));
+    hi_mask[c] = _mm_load_si128(reinterpret_cast<const __m128i*>(hi));
+  }
+  int x = 0;
+  for (; x + 8 <= n; x += 8) {
+    // Output positions x..x+7 come from input pixels x..x+7, or n-8-x..n-1-x when flipping.
+    const uint8_t* p = rgb + 3 * static_cast<size_t>(flip ? n - 8 - x : x);
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 12));
+    for (int c = 0; c < 3; ++c) {
+      const __m128i bytes =
+          _mm_or_si128(_mm_shuffle_epi8(lo, lo_mask[c]), _mm_shuffle_epi8(hi, hi_mask[c]));
+      const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+      const __m256 v =
+          _mm256_add_ps(_mm256_mul_ps(f, _mm256_set1_ps(scale[c])), _mm256_set1_ps(bias[c]));
+      _mm256_storeu_ps(planes[c] + x, v);
+    }
+  }
+  return x;
+}
+#endif
+
+}  // namespace
+
+void normalize_row(const uint8_t* rgb, int n, bool flip, const float scale[3], const float bias[3],
+                   float* const planes[3], Kernel kernel) {
+  int done = 0;
+#ifdef FORKGUARD_RESAMPLE_X86
+  if (kernel == Kernel::kAuto && resample_uses_avx2()) {
+    done = normalize_row_avx2(rgb, n, flip, scale, bias, planes);
+  }
+#else
+  (void)kernel;
+#endif
+  normalize_row_scalar(rgb, n, flip, scale, bias, planes, done);
 }
 
 bool resample_uses_avx2() {

@@ -22,4 +22,10 @@ void resample(const uint8_t* src, int w, int h, const Box& box, int out_w, int o
 // Whether Kernel::kAuto runs the AVX2 kernels on this CPU.
 bool resample_uses_avx2();
 
+// One row of n RGB pixels (readable 16 bytes past its end) to three float planes, mirrored when
+// `flip`: plane c gets float(v) * scale[c] + bias[c] (a multiply, then an add, never fused, so
+// every kernel computes the same floats).
+void normalize_row(const uint8_t* rgb, int n, bool flip, const float scale[3], const float bias[3],
+                   float* const planes[3], Kernel kernel = Kernel::kAuto);
+
 }  // namespace forkguard::data::image
