@@ -1,0 +1,33 @@
+"""forkguard: multi-process GPU work that survives fork.
+
+    import forkguard
+    forkguard.probe()                          # this process's CUDA state, never initializing it
+    forkguard.ensure_fork_safe()               # raises ForkUnsafeError with evidence and cures
+    forkguard.notebook_launch(train, nproc=2)  # ranks from a clean interpreter, torchrun's env
+    for images, labels in forkguard.ImageLoader("/data/train", batch_size=64, workers=4):
+        x = torch.from_dlpack(images)          # no copy
+
+At import, while this process is still fork-safe, forkguard starts its C++ fork server (a small
+fork of this process that forks ImageLoader's process workers, so they stay CUDA-clean even
+after this process initializes CUDA). FORKGUARD_NO_FORK_SERVER=1 turns that off; process
+workers then come from a guarded fork, refused once CUDA is initialized here.
+"""
+import os as _os
+
+from . import _native
+from ._launch import RankError, default_preload, notebook_launch, start_server, stop_server
+from ._loader import ImageLoader
+from ._native import DataError, DLTensor, Error, LoaderTimeoutError, ProbeError, WorkerError
+from ._probe import Evidence, ForkUnsafeError, ProbeResult, ensure_fork_safe, probe
+
+__version__ = _native.__version__
+
+__all__ = [
+    "DLTensor", "DataError", "Error", "Evidence", "ForkUnsafeError", "ImageLoader",
+    "LoaderTimeoutError", "ProbeError", "ProbeResult", "RankError", "WorkerError",
+    "default_preload", "ensure_fork_safe", "notebook_launch", "probe", "start_server",
+    "stop_server",
+]
+
+if not _os.environ.get("FORKGUARD_NO_FORK_SERVER"):
+    _native.start_fork_server()

@@ -1,0 +1,120 @@
+"""Typed stubs of forkguard's native layer (pybind11). Use the `forkguard` package instead."""
+from typing import Any, Dict, List, Optional, Tuple
+
+__version__: str
+
+class Error(RuntimeError):
+    """The root of every exception forkguard raises."""
+
+class DataError(Error):
+    """A sample could not be read or transformed (names the index and the file), or misuse."""
+
+class WorkerError(Error):
+    """A loader worker died or stopped itself (names the worker, its PID, the samples it held)."""
+
+class LoaderTimeoutError(Error):
+    """A batch was not ready within the loader's timeout."""
+
+class ProbeError(Error):
+    """No such process, or not allowed to inspect it."""
+
+class _ProbeResult:
+    pid: int
+    parent_pid: int
+    verdict: str
+    fork_safe: bool
+    evidence: List[Tuple[str, str, str]]
+    notes: List[str]
+    summary: str
+    cures: List[str]
+
+def probe(pid: Optional[int] = ...) -> _ProbeResult:
+    """The CUDA state of this process (or of pid); never initializes CUDA."""
+
+def start_fork_server() -> bool:
+    """Starts the C++ fork server process workers come from, if this process is fork-safe and
+    owns none; returns whether it owns one now."""
+
+def owns_fork_server() -> bool: ...
+def fork_server_pid() -> Optional[int]: ...
+
+class DLTensor:
+    """A batch's images or labels: a DLPack producer over the loader's shared memory.
+
+    torch.from_dlpack(t) and numpy.from_dlpack(t) take it without a copy (numpy.asarray too,
+    through __array_interface__, for host tensors). The memory stays valid while this object or
+    any tensor made from it lives."""
+
+    def __dlpack__(self, stream: Optional[int] = ...) -> Any:
+        """A new "dltensor" capsule over the same memory (device batches: after their copy)."""
+    def __dlpack_device__(self) -> Tuple[int, int]:
+        """(1, 0) on the host (kDLCPU), (2, ordinal) on a GPU (kDLCUDA)."""
+    @property
+    def shape(self) -> Tuple[int, ...]: ...
+    @property
+    def dtype(self) -> str:
+        """"float32", "float16", "uint8" or "int64" (labels)."""
+    @property
+    def device(self) -> str:
+        """"cpu" or "cuda:N"."""
+    @property
+    def data_ptr(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def __array_interface__(self) -> Dict[str, Any]: ...
+    @property
+    def skipped(self) -> List[Dict[str, Any]]:
+        """Samples the skip policy replaced in this batch: position, index, key, reason,
+        substitute."""
+    @property
+    def keys(self) -> List[str]:
+        """Each sample's key (its path)."""
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def batch_number(self) -> int: ...
+    @property
+    def indices(self) -> List[int]:
+        """The dataset indices, in batch order."""
+    def __len__(self) -> int: ...
+
+class _ImageLoaderArgs:
+    root: str
+    format: str
+    batch_size: int
+    workers: int
+    worker_kind: str
+    train: bool
+    size: int
+    resize: int
+    dtype: str
+    layout: str
+    device: int
+    seed: int
+    shuffle: bool
+    drop_last: bool
+    distributed: bool
+    bad_sample: str
+    prefetch: int
+    timeout: float
+    scale_min: float
+    scale_max: float
+    ratio_min: float
+    ratio_max: float
+    flip: float
+    mean: List[float]
+    std: List[float]
+    def __init__(self) -> None: ...
+
+class _ImageLoader:
+    def __init__(self, args: _ImageLoaderArgs) -> None: ...
+    def next(self) -> Optional[Tuple[DLTensor, DLTensor]]:
+        """The next batch, or None at the end of the epoch (the GIL is released while waiting)."""
+    def set_epoch(self, epoch: int) -> None: ...
+    def epoch(self) -> int: ...
+    def size(self) -> int: ...
+    def dataset_size(self) -> int: ...
+    def worker_pids(self) -> List[int]: ...
+    def stats(self) -> Dict[str, float]: ...
+    def close(self) -> None: ...

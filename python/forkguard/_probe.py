@@ -1,0 +1,93 @@
+"""forkguard.probe(): this process's (or another's) CUDA state, and ensure_fork_safe()."""
+from __future__ import annotations
+
+import os
+from typing import List, NamedTuple, Optional
+
+from . import _native
+from ._native import Error
+
+
+class Evidence(NamedTuple):
+    """One observation: ``kind`` (library_mapped, device_file_open, driver_thread, ...),
+    ``detail`` (what was seen) and ``source`` (where: /proc/PID/fd/7, dl_iterate_phdr, ...)."""
+
+    kind: str
+    detail: str
+    source: str
+
+
+class ProbeResult:
+    """The probe's answer: ``verdict`` (clean, driver_loaded, nvml_open: fork is safe;
+    initialized, context_active, poisoned: it is not), ``fork_safe``, ``evidence``, ``notes``
+    (what could not be checked), ``summary`` and ``cures`` (the doctor's advice), ``pid``."""
+
+    def __init__(self, native):
+        self.pid: int = native.pid
+        self.parent_pid: int = native.parent_pid
+        self.verdict: str = native.verdict
+        self.fork_safe: bool = native.fork_safe
+        self.evidence: List[Evidence] = [Evidence(*e) for e in native.evidence]
+        self.notes: List[str] = list(native.notes)
+        self.summary: str = native.summary
+        self.cures: List[str] = list(native.cures)
+
+    def __bool__(self) -> bool:
+        return self.fork_safe
+
+    def __repr__(self) -> str:
+        return (f"ProbeResult(pid={self.pid}, verdict={self.verdict!r}, "
+                f"fork_safe={self.fork_safe}, evidence={len(self.evidence)} items)")
+
+    def __str__(self) -> str:
+        lines = [f"PID {self.pid}: {self.verdict} ({'fork-safe' if self.fork_safe else 'NOT fork-safe'})"]
+        if self.summary:
+            lines.append(self.summary)
+        for e in self.evidence:
+            lines.append(f"  - {e.kind}: {e.detail} [{e.source}]")
+        for n in self.notes:
+            lines.append(f"  note: {n}")
+        return "\n".join(lines)
+
+
+# The cures that fit Python, before the doctor's general ones.
+PYTHON_CURES = [
+    "forkguard.notebook_launch(fn, nproc=N): ranks from a freshly executed interpreter, "
+    "whatever this process did with CUDA",
+    "multiprocessing.get_context('spawn') or 'forkserver' (and DataLoader(..., "
+    "multiprocessing_context='spawn')) instead of fork",
+    "forkguard.ImageLoader with worker_kind='thread' (no fork), or 'process' (workers from "
+    "forkguard's fork server, started at import while this process was clean)",
+    "move the first CUDA call (torch.cuda.*, .cuda(), .to('cuda')) after the fork",
+]
+
+
+class ForkUnsafeError(Error):
+    """This process holds CUDA state: a fork()ed child could not use CUDA.
+    ``result`` is the ProbeResult; the message lists the evidence and the cures."""
+
+    def __init__(self, result: ProbeResult):
+        lines = [f"fork is not safe here: this process (PID {result.pid}) is {result.verdict}; "
+                 "CUDA state does not survive fork, so a forked child fails at its first CUDA "
+                 "call (\"Cannot re-initialize CUDA in forked subprocess\", "
+                 "CUDA_ERROR_NOT_INITIALIZED = 3).", "evidence:"]
+        lines += [f"  - {e.kind}: {e.detail} [{e.source}]" for e in result.evidence]
+        lines.append("cures:")
+        lines += [f"  - {c}" for c in PYTHON_CURES + result.cures]
+        super().__init__("\n".join(lines))
+        self.result = result
+
+
+def probe(pid: Optional[int] = None) -> ProbeResult:
+    """The CUDA state of this process, or of ``pid``. Never initializes CUDA: it reads /proc,
+    the loaded libraries, and asks the driver only calls that initialize nothing."""
+    return ProbeResult(_native.probe(pid if pid is not None and pid != os.getpid() else None))
+
+
+def ensure_fork_safe() -> ProbeResult:
+    """Raises ForkUnsafeError (evidence and cures) unless fork is safe here; returns the probe.
+    The automatic form of a hand-kept "cuda_touched" flag: call it before forking."""
+    result = probe()
+    if not result.fork_safe:
+        raise ForkUnsafeError(result)
+    return result

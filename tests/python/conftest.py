@@ -1,0 +1,66 @@
+"""Shared fixtures: the build tree (FORKGUARD_BUILD_DIR, set by ctest), the test driver, and a
+small ImageFolder of JPEGs and PNGs made with Pillow."""
+import os
+import pathlib
+import random
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def build_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("FORKGUARD_BUILD_DIR", ROOT / "build" / "release")).resolve()
+
+
+@pytest.fixture(scope="session")
+def fake_cuda(build_dir) -> str:
+    path = build_dir / "lib" / "fake_cuda" / "libcuda.so.1"
+    if not path.exists():
+        pytest.skip(f"the test driver is not built ({path})")
+    return str(path)
+
+
+@pytest.fixture()
+def fake_cuda_env(fake_cuda, tmp_path, monkeypatch):
+    """The test driver for this test's processes: device files under a temporary directory."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    monkeypatch.setenv("FAKE_CUDA_DEV_DIR", str(dev))
+    monkeypatch.setenv("FORKGUARD_CUDA_DRIVER", fake_cuda)
+    monkeypatch.setenv("FORKGUARD_TEST_FAKE_CUDA", fake_cuda)
+    return fake_cuda
+
+
+def make_images(root: pathlib.Path, classes=3, per_class=8, seed=1, corrupt=False):
+    from PIL import Image
+
+    rng = random.Random(seed)
+    for c in range(classes):
+        d = root / f"class{c}"
+        d.mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            w, h = rng.randint(60, 300), rng.randint(60, 300)
+            img = Image.new("RGB", (w, h), (rng.randrange(256), rng.randrange(256), 40 * c))
+            for _ in range(20):
+                x, y = rng.randrange(w), rng.randrange(h)
+                img.paste((rng.randrange(256), rng.randrange(256), rng.randrange(256)),
+                          (x, y, min(w, x + 15), min(h, y + 15)))
+            if i % 4 == 3:
+                img.save(d / f"img{i:02d}.png")
+            else:
+                img.save(d / f"img{i:02d}.jpg", quality=90)
+    if corrupt:
+        (root / "class1" / "img99_bad.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    return root
+
+
+@pytest.fixture(scope="session")
+def images(tmp_path_factory) -> pathlib.Path:
+    return make_images(tmp_path_factory.mktemp("images"))
+
+
+@pytest.fixture(scope="session")
+def bad_images(tmp_path_factory) -> pathlib.Path:
+    return make_images(tmp_path_factory.mktemp("bad_images"), corrupt=True)

@@ -1,0 +1,127 @@
+"""forkguard.ImageLoader through torch.from_dlpack: the C++ loader's values (the CLI's digest),
+no copy (the batch's own pointer), memory kept while a tensor lives and released after."""
+import json
+import subprocess
+
+import numpy as np
+import pytest
+
+import forkguard
+
+torch = pytest.importorskip("torch")
+
+FNV_OFFSET, FNV_PRIME, MASK = 1469598103934665603, 1099511628211, (1 << 64) - 1
+
+
+def fnv(data: bytes, h: int) -> int:
+    for b in data:
+        h = ((h ^ b) * FNV_PRIME) & MASK
+    return h
+
+
+def cli_digest(build_dir, root, workers=2, kind="thread", batch=8):
+    out = subprocess.run(
+        [str(build_dir / "bin" / "forkguard"), "bench", "loader", "--data", str(root),
+         "--workers", str(workers), "--worker-kind", kind, "--batch-size", str(batch),
+         "--epochs", "1", "--dtype", "uint8", "--digest", "--json"],
+        capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(out.stdout)["digest"]
+
+
+def python_digest(loader):
+    h = FNV_OFFSET
+    for images, labels in loader:
+        x = torch.from_dlpack(images)
+        y = torch.from_dlpack(labels)
+        assert x.data_ptr() == images.data_ptr  # no copy
+        h = fnv(x.contiguous().numpy().tobytes(), h)
+        h = fnv(y.numpy().tobytes(), h)
+    return f"{h:016x}"
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_batches_equal_the_cpp_loader(build_dir, images, kind):
+    expected = cli_digest(build_dir, images)
+    loader = forkguard.ImageLoader(images, batch_size=8, workers=2, worker_kind=kind,
+                                   dtype="uint8", seed=0)
+    assert python_digest(loader) == expected
+    if kind == "process":
+        assert len(loader.worker_pids()) == 2
+
+
+def test_tensor_shapes_labels_and_no_copy(images):
+    loader = forkguard.ImageLoader(images, batch_size=8, workers=2, size=64, train=False)
+    assert len(loader) == 3 and loader.dataset_size == 24
+    seen = []
+    for images_t, labels_t in loader:
+        assert images_t.__dlpack_device__() == (1, 0)
+        x = torch.from_dlpack(images_t)
+        y = torch.from_dlpack(labels_t)
+        assert x.shape == (8, 3, 64, 64) and x.dtype == torch.float32
+        assert y.dtype == torch.int64
+        assert x.data_ptr() == images_t.data_ptr and y.data_ptr() == labels_t.data_ptr
+        a = np.asarray(images_t)  # numpy through __array_interface__, also no copy
+        assert a.ctypes.data == images_t.data_ptr and a.shape == tuple(x.shape)
+        assert [int(k.split("/")[-2][-1]) for k in images_t.keys] == y.tolist()
+        seen += y.tolist()
+    assert seen == sorted(seen)  # eval order: ImageFolder's, classes in order
+
+
+def test_memory_lives_with_the_tensor_and_returns_after(images):
+    loader = forkguard.ImageLoader(images, batch_size=2, workers=2, size=32, dtype="uint8")
+    # Drop every batch at once: a handful of slots serve the whole epoch.
+    for images_t, labels_t in loader:
+        torch.from_dlpack(images_t).sum()
+    released_slots = loader.stats()["slots"]
+    # Keep only the torch tensors (the DLTensors die): their slots must stay theirs.
+    held, copies = [], []
+    for images_t, labels_t in loader:
+        x = torch.from_dlpack(images_t)
+        held.append(x)
+        copies.append(x.clone())
+        del images_t, labels_t
+    assert loader.stats()["slots"] >= len(held) > released_slots
+    for x, c in zip(held, copies):
+        assert torch.equal(x, c)  # nothing reused memory a tensor still holds
+    slots = loader.stats()["slots"]
+    del held, x
+    for images_t, labels_t in loader:
+        torch.from_dlpack(images_t).sum()
+    assert loader.stats()["slots"] == slots  # released slots were reused, none added
+
+
+def test_set_epoch_replays_and_worker_count_does_not_matter(images):
+    def epoch_digest(workers, epoch):
+        loader = forkguard.ImageLoader(images, batch_size=8, workers=workers, size=32,
+                                       dtype="uint8", seed=5)
+        loader.set_epoch(epoch)
+        return python_digest(loader)
+
+    assert epoch_digest(1, 3) == epoch_digest(3, 3) == epoch_digest(0, 3)
+    assert epoch_digest(2, 3) != epoch_digest(2, 4)
+
+
+def test_bad_sample_error_names_the_file_and_skip_records_it(bad_images):
+    loader = forkguard.ImageLoader(bad_images, batch_size=25, workers=2, size=32)
+    with pytest.raises(forkguard.DataError, match="img99_bad.jpg"):
+        for _ in loader:
+            pass
+    loader = forkguard.ImageLoader(bad_images, batch_size=25, workers=2, size=32,
+                                   bad_sample="skip")
+    skipped = []
+    for images_t, _ in loader:
+        skipped += images_t.skipped
+    assert [s["key"].endswith("img99_bad.jpg") for s in skipped] == [True]
+    assert loader.stats()["skipped"] == 1
+
+
+def test_stats_and_errors(images):
+    loader = forkguard.ImageLoader(images, batch_size=8, workers=2, size=32)
+    for _ in loader:
+        pass
+    s = loader.stats()
+    assert s["batches"] == 3 and s["samples"] == 24 and s["transform_seconds"] > 0
+    with pytest.raises(ValueError, match="worker_kind"):
+        forkguard.ImageLoader(images, worker_kind="green")
+    with pytest.raises(forkguard.DataError, match="nowhere"):
+        forkguard.ImageLoader("/nowhere/at/all")

@@ -1,0 +1,128 @@
+"""forkguard.notebook_launch: torchrun's environment, [rankN] output, a rank's exception re-raised
+here with its traceback, Ctrl-C and failures stopping every rank, restarts, nothing left running,
+and 2 no-op ranks in under 100 ms once the fork server is up (torch preloaded)."""
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import forkguard
+
+
+def server_children():
+    srv = forkguard._launch._server
+    if srv is None or not srv.alive():
+        return []
+    kids = []
+    for tid in os.listdir(f"/proc/{srv.pid}/task"):
+        with open(f"/proc/{srv.pid}/task/{tid}/children") as f:
+            kids += f.read().split()
+    return kids
+
+
+@pytest.fixture(scope="module", autouse=True)
+def server():
+    forkguard.start_server(wait=True)
+    yield
+    forkguard.stop_server()
+
+
+def rank_env():
+    keys = ["RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+            "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS", "EXTRA"]
+    print(f"hello from {os.environ['RANK']}")
+    return {k: os.environ.get(k) for k in keys}
+
+
+def test_ranks_get_torchrun_env_and_prefixed_output(capfd):
+    res = forkguard.notebook_launch(rank_env, nproc=3, env={"EXTRA": "x"})
+    assert [r["RANK"] for r in res] == ["0", "1", "2"]
+    assert {r["WORLD_SIZE"] for r in res} == {"3"} and {r["LOCAL_WORLD_SIZE"] for r in res} == {"3"}
+    assert [r["LOCAL_RANK"] for r in res] == ["0", "1", "2"]
+    assert res[0]["MASTER_ADDR"] == "127.0.0.1" and int(res[0]["MASTER_PORT"]) > 0
+    assert res[0]["TORCHELASTIC_RESTART_COUNT"] == "0" and res[0]["EXTRA"] == "x"
+    assert res[0]["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", "1")
+    out = capfd.readouterr().out
+    for r in range(3):
+        assert f"[rank{r}]: hello from {r}" in out
+    assert server_children() == []
+
+
+def test_closures_travel_by_value():
+    scale = 7
+    assert forkguard.notebook_launch(lambda a, b=0: (a + b) * scale, args=(1,), nproc=2,
+                                     kwargs={"b": 2}) == [21, 21]
+
+
+def failing():
+    if os.environ["RANK"] == "1":
+        raise ValueError("boom in rank one")
+    time.sleep(60)  # stopped by forkguard when rank 1 fails
+
+
+def test_exception_in_a_rank_is_raised_here_and_stops_the_others():
+    t0 = time.monotonic()
+    with pytest.raises(forkguard.RankError) as info:
+        forkguard.notebook_launch(failing, nproc=2, grace=2.0)
+    assert time.monotonic() - t0 < 10
+    e = info.value
+    assert e.rank == 1 and e.exc_type == "ValueError"
+    assert "rank 1 failed: ValueError: boom in rank one" in str(e)
+    assert "Traceback" in e.traceback and "in failing" in e.traceback
+    assert "rank 0" in e.report and "stopped by forkguard" in e.report
+    assert isinstance(e.__cause__, ValueError)
+    assert server_children() == []
+
+
+def test_a_rank_killed_by_a_signal_is_reported():
+    def die():
+        print("about to die", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    with pytest.raises(forkguard.RankError) as info:
+        forkguard.notebook_launch(die, nproc=1)
+    assert info.value.signal == signal.SIGKILL and "SIGKILL" in str(info.value)
+
+
+def test_restarts():
+    def flaky():
+        if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "0":
+            raise RuntimeError("first attempt fails")
+        return int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+
+    assert forkguard.notebook_launch(flaky, nproc=2, max_restarts=1) == [1, 1]
+
+
+def test_keyboard_interrupt_stops_every_rank():
+    def sleeper():
+        time.sleep(60)
+
+    main = threading.main_thread().ident
+    timer = threading.Timer(0.5, lambda: signal.pthread_kill(main, signal.SIGINT))
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        forkguard.notebook_launch(sleeper, nproc=2)
+    assert time.monotonic() - t0 < 10
+    assert server_children() == []
+
+
+def test_two_noop_ranks_in_under_100_ms():
+    forkguard.notebook_launch(int, nproc=2)  # warm: the caller's cloudpickle, the code paths
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        forkguard.notebook_launch(int, nproc=2)
+        times.append(time.perf_counter() - t0)
+    print(f"notebook_launch of 2 no-op ranks: best {min(times) * 1e3:.1f} ms, "
+          f"median {sorted(times)[2] * 1e3:.1f} ms; preloaded {forkguard._launch._server.preload}")
+    assert min(times) < 0.1
+
+
+def test_nothing_left_running_after_stop():
+    pid = forkguard._launch._server.pid
+    forkguard.stop_server()
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    forkguard.start_server(wait=True)
