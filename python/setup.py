@@ -17,6 +17,8 @@ from setuptools.command.build_ext import build_ext
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
+BUILD = ROOT / "build" / "pip"
+BUILD.mkdir(parents=True, exist_ok=True)
 
 
 class CMakeBuild(build_ext):
@@ -50,6 +52,8 @@ setup(
     package_data={"forkguard": ["*.pyi", "py.typed"]},
     ext_modules=[Extension("forkguard._native", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
+    # Build products under the project's (ignored) build/, not beside the sources.
+    options={"build": {"build_base": str(BUILD)}, "egg_info": {"egg_base": str(BUILD)}},
     python_requires=">=3.9",
     zip_safe=False,
 )

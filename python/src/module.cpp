@@ -97,11 +97,10 @@ enum class Part { kImages, kLabels };
 
 void capsule_destructor(PyObject* capsule) {
   // Unconsumed: the capsule still owns the tensor. A consumer renames it "used_dltensor".
+  // PyCapsule_IsValid sets no error, so an exception in flight is left as it is.
   if (PyCapsule_IsValid(capsule, "dltensor")) {
     auto* t = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
     if (t != nullptr && t->deleter != nullptr) t->deleter(t);
-  } else {
-    PyErr_Clear();
   }
 }
 

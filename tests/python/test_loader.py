@@ -60,6 +60,9 @@ def test_tensor_shapes_labels_and_no_copy(images):
         assert x.shape == (8, 3, 64, 64) and x.dtype == torch.float32
         assert y.dtype == torch.int64
         assert x.data_ptr() == images_t.data_ptr and y.data_ptr() == labels_t.data_ptr
+        x2 = torch.from_dlpack(images_t.__dlpack__())  # the raw capsule, as torch 1.13 takes
+        assert x2.data_ptr() == images_t.data_ptr and torch.equal(x, x2)
+        images_t.__dlpack__()  # a capsule nobody consumed releases its reference when it dies
         a = np.asarray(images_t)  # numpy through __array_interface__, also no copy
         assert a.ctypes.data == images_t.data_ptr and a.shape == tuple(x.shape)
         assert [int(k.split("/")[-2][-1]) for k in images_t.keys] == y.tolist()
