@@ -12,18 +12,18 @@
 #include "data/image/decode.hpp"
 #include "forkguard/data/image_folder.hpp"
 #include "forkguard/data/image_transform.hpp"
+#include "forkguard/data/tar_shards.hpp"
 
 namespace forkguard::data {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::shared_ptr<FileDataset> open_dataset(const std::string& data, DatasetFormat format) {
+std::shared_ptr<Dataset> open_dataset(const std::string& data, DatasetFormat format) {
   switch (format) {
     case DatasetFormat::kImageFolder: return std::make_shared<ImageFolder>(data);
     case DatasetFormat::kFileList: return std::make_shared<FileList>(data);
-    case DatasetFormat::kWebDataset:
-      throw DataError("the WebDataset (tar shard) format is not implemented yet");
+    case DatasetFormat::kWebDataset: return std::make_shared<TarShards>(data);
   }
   throw DataError("unknown dataset format");
 }
@@ -83,7 +83,7 @@ DecodeBenchResult run_decode_bench(const std::string& data, DatasetFormat format
   auto ds = open_dataset(data, format);
   std::vector<std::vector<unsigned char>> files;
   files.reserve(ds->size());
-  for (size_t i = 0; i < ds->size(); ++i) files.push_back(read_file_bytes(ds->key(i)));
+  for (size_t i = 0; i < ds->size(); ++i) files.push_back(ds->read(i).data);
   threads = std::max<size_t>(1, threads);
   std::atomic<size_t> next{0};
   std::atomic<uint64_t> pixels{0};
