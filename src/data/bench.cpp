@@ -3,9 +3,13 @@
 #include <fmt/format.h>
 #include <sys/resource.h>
 
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <exception>
+#include <fstream>
 #include <mutex>
 #include <thread>
 
@@ -26,6 +30,17 @@ std::shared_ptr<Dataset> open_dataset(const std::string& data, DatasetFormat for
     case DatasetFormat::kWebDataset: return std::make_shared<TarShards>(data);
   }
   throw DataError("unknown dataset format");
+}
+
+// A "Key:   1234 kB" line of a /proc file, in bytes; 0 when the process or the line is gone.
+uint64_t proc_kb(pid_t pid, const char* file, const char* key) {
+  std::ifstream in(fmt::format("/proc/{}/{}", pid, file));
+  std::string line;
+  const size_t n = std::strlen(key);
+  while (std::getline(in, line)) {
+    if (line.compare(0, n, key) == 0) return std::strtoull(line.c_str() + n, nullptr, 10) * 1024;
+  }
+  return 0;
 }
 
 uint64_t fnv(const void* data, size_t n, uint64_t h) {
@@ -67,12 +82,19 @@ LoaderBenchResult run_loader_bench(const LoaderBenchOptions& o) {
       }
       if (o.progress) o.progress(r.images, total);
     }
+    const auto measuring = Clock::now();  // not counted in the rate
+    uint64_t pss = proc_kb(::getpid(), "smaps_rollup", "Pss:");
+    for (pid_t w : loader.worker_pids()) pss += proc_kb(w, "smaps_rollup", "Pss:");
+    r.epoch_pss_bytes.push_back(pss);
+    first += Clock::now() - measuring;
   }
+  uint64_t workers_peak = 0;
+  for (pid_t w : loader.worker_pids()) workers_peak += proc_kb(w, "status", "VmHWM:");
   const double steady = std::chrono::duration<double>(Clock::now() - first).count();
   r.images_per_second = steady > 0 ? static_cast<double>(after_first) / steady : 0;
   rusage ru{};
   ::getrusage(RUSAGE_SELF, &ru);
-  r.peak_rss_bytes = static_cast<uint64_t>(ru.ru_maxrss) * 1024;
+  r.peak_rss_bytes = static_cast<uint64_t>(ru.ru_maxrss) * 1024 + workers_peak;
   r.stats = loader.stats();
   r.skipped = r.stats.skipped;
   if (o.digest) r.digest = fmt::format("{:016x}", h);

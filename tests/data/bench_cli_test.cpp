@@ -1,12 +1,15 @@
 // `forkguard bench loader` on a small ImageFolder made here: the digest does not depend on the
 // number or kind of workers; bad files are skipped and counted, or named in the error.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <vector>
 
 #include <jpeglib.h>
@@ -63,6 +66,9 @@ std::string make_folder(const std::string& root) {
 nlohmann::json bench(const std::string& dir, std::vector<std::string> extra) {
   std::vector<std::string> argv{ft::kForkguard, "bench", "loader",   "--data", dir, "--epochs", "2",
                                 "--batch-size", "8",     "--digest", "--json"};
+  if (std::find(extra.begin(), extra.end(), "--epochs") != extra.end()) {
+    argv.erase(argv.begin() + 5, argv.begin() + 7);  // the caller's epoch count instead
+  }
   argv.insert(argv.end(), extra.begin(), extra.end());
   auto r = ft::run(argv);
   EXPECT_EQ(r.exit_code, 0) << r.err;
@@ -90,17 +96,127 @@ TEST(BenchLoaderCli, DigestIsTheSameForEveryWorkerCountAndKind) {
   EXPECT_NE(bench(root, {"--dtype", "uint8"})["digest"], ref["digest"]);
 }
 
-TEST(BenchLoaderCli, BadFilesAreSkippedAndCountedOrNamed) {
+// Memory is flat across epochs: what the loader and its workers hold after the first epoch (slots,
+// decode buffers) is all they ever hold.
+TEST(BenchLoaderCli, MemoryIsFlatAcrossEpochs) {
   ft::TempDir dir;
   auto root = make_folder(dir.path() + "/imgs");
-  std::ofstream(root + "/class_1/empty.jpg").close();
-  std::ofstream(root + "/class_2/notes.jpg") << "not an image at all";
-  auto skip = bench(root, {"--bad-sample", "skip", "--workers", "2"});
-  EXPECT_EQ(skip["skipped"], 4);  // two bad files, two epochs
-  EXPECT_EQ(skip["images"], 84);  // 42 files a epoch: the bad ones replaced, none dropped
-  auto r = ft::run({ft::kForkguard, "bench", "loader", "--data", root, "--epochs", "1"});
-  EXPECT_NE(r.exit_code, 0);
-  const bool named = r.err.find("class_1/empty.jpg: empty file (0 bytes)") != std::string::npos ||
-                     r.err.find("class_2/notes.jpg: not an image") != std::string::npos;
-  EXPECT_TRUE(named) << r.err;
+  for (const char* kind : {"thread", "process"}) {
+    auto j = bench(root, {"--epochs", "6", "--workers", "2", "--worker-kind", kind});
+    auto pss = j["epoch_pss_bytes"].get<std::vector<double>>();
+    ASSERT_EQ(pss.size(), 6u) << kind;
+    for (size_t e = 2; e < pss.size(); ++e) {
+      EXPECT_LT(pss[e], pss[1] * 1.05 + 2e6) << kind << " epoch " << e << ": " << j.dump();
+    }
+  }
+}
+
+// Every kind of bad input, alone in an otherwise good folder: under `error` the run fails naming
+// the file and what is wrong with it; under `skip` the file is counted once per epoch and replaced
+// (the image count is unchanged: nothing is dropped).
+TEST(BenchLoaderCli, EveryBadInputIsNamedUnderErrorAndCountedUnderSkip) {
+  struct Bad {
+    const char* file;
+    std::function<void(const fs::path&)> make;
+    const char* reason;
+  };
+  const std::vector<Bad> cases = {
+      {"empty.jpg", [](const fs::path& p) { std::ofstream(p).close(); }, "empty file (0 bytes)"},
+      {"notes.jpg", [](const fs::path& p) { std::ofstream(p) << "not an image at all"; },
+       "not an image (neither JPEG nor PNG)"},
+      {"cut.jpg",
+       [](const fs::path& p) {
+         write_jpeg(p, 300, 200, 1);
+         fs::resize_file(p, fs::file_size(p) / 2);
+       },
+       "corrupt JPEG: truncated JPEG (premature end of data)"},
+      {"garbled.jpg",
+       [](const fs::path& p) {
+         write_jpeg(p, 300, 200, 2);
+         std::fstream f(p, std::ios::in | std::ios::out | std::ios::binary);
+         f.seekp(4);
+         for (int i = 0; i < 300; ++i) f.put(static_cast<char>(0x5a));
+       },
+       "corrupt JPEG: "},
+      {"bomb.jpg",
+       [](const fs::path& p) {
+         // A real JPEG whose frame header claims 20000 x 20000 pixels (400 MP > 100 MP).
+         write_jpeg(p, 64, 64, 3);
+         std::fstream f(p, std::ios::in | std::ios::out | std::ios::binary);
+         std::vector<char> b((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+         for (size_t i = 0; i + 8 < b.size(); ++i) {
+           if (static_cast<uint8_t>(b[i]) == 0xFF && static_cast<uint8_t>(b[i + 1]) == 0xC0) {
+             f.seekp(static_cast<long>(i) + 5);
+             const char dims[4] = {0x4E, 0x20, 0x4E, 0x20};
+             f.write(dims, 4);
+             break;
+           }
+         }
+       },
+       "20000x20000 = 400000000 pixels, more than max_pixels (100000000)"},
+      {"gone.jpg", [](const fs::path& p) { fs::create_symlink(p.string() + ".missing", p); },
+       "cannot open: No such file or directory"},
+  };
+  for (const auto& bad : cases) {
+    ft::TempDir dir;
+    auto root = make_folder(dir.path() + "/imgs");
+    const fs::path file = fs::path(root) / "class_1" / bad.file;
+    bad.make(file);
+    for (const char* kind : {"thread", "process"}) {
+      auto r = ft::run({ft::kForkguard, "bench", "loader", "--data", root, "--epochs", "1",
+                        "--batch-size", "8", "--workers", "2", "--worker-kind", kind});
+      EXPECT_NE(r.exit_code, 0) << bad.file;
+      EXPECT_NE(r.err.find(file.string() + ": " + bad.reason), std::string::npos)
+          << bad.file << " " << kind << ": " << r.err;
+      auto skip = bench(root, {"--bad-sample", "skip", "--workers", "2", "--worker-kind", kind});
+      EXPECT_EQ(skip["skipped"], 2) << bad.file << " " << kind;  // once per epoch
+      EXPECT_EQ(skip["images"], 82) << bad.file << " " << kind;  // 41 a epoch, none dropped
+    }
+  }
+}
+
+// A dataset that is not there, or has nothing in it, is named before anything starts, whatever the
+// bad-sample policy.
+TEST(BenchLoaderCli, MissingOrEmptyDatasetIsNamed) {
+  ft::TempDir dir;
+  fs::create_directories(dir.path() + "/empty");
+  fs::create_directories(dir.path() + "/no_images/class_0");
+  std::ofstream(dir.path() + "/no_images/class_0/readme.txt") << "text";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {dir.path() + "/nowhere", "not a directory"},
+      {dir.path() + "/empty", "no class directories"},
+      {dir.path() + "/no_images", "no image files under any class"}};
+  for (const auto& [path, reason] : cases) {
+    for (const char* policy : {"error", "skip"}) {
+      auto r = ft::run({ft::kForkguard, "bench", "loader", "--data", path, "--bad-sample", policy});
+      EXPECT_NE(r.exit_code, 0) << path;
+      EXPECT_NE(r.err.find(path + ": " + reason), std::string::npos) << r.err;
+    }
+  }
+}
+
+// The demo's rank program under `forkguard run`: two ranks, each with its process-worker loader,
+// split the data set between them and hand their batches to the GPU (the test driver plays it)
+// after initializing CUDA themselves; with --host they keep them on the host.
+TEST(LoaderRanksDemo, TwoRanksUnderForkguardRunFeedTheirGpus) {
+  ft::TempDir dir;
+  auto root = make_folder(dir.path() + "/imgs");
+  const std::string program = FORKGUARD_BIN_DIR "/loader_ranks";
+  for (bool host : {false, true}) {
+    std::vector<std::string> argv{ft::kForkguard, "run",   "--nproc-per-node", "2",
+                                  "--",           program, "--data",           root,
+                                  "--epochs",     "2",     "--batch-size",     "8"};
+    if (host) argv.push_back("--host");
+    auto r = ft::run(argv, ft::fake_cuda_env(dir.path()));
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    for (int rank : {0, 1}) {
+      // 40 images, 2 ranks, 2 epochs: 40 each.
+      const auto line = fmt::format("[rank{}]:rank {}: 40 images in ", rank, rank);
+      EXPECT_NE(r.out.find(line), std::string::npos) << r.out;
+    }
+    const std::string where = host ? "to the host" : "to the GPU";
+    EXPECT_NE(r.out.find(where), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("epoch 2/2 [##############################] 100%"), std::string::npos)
+        << r.out;
+  }
 }
