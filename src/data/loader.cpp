@@ -390,10 +390,16 @@ class LoaderImpl {
     if (o_.delivery == Delivery::kAsReady && !pending_.empty()) b = pending_.begin()->first;
     std::string who = "the consumer's thread";
     if (auto it = pending_.find(b); it != pending_.end() && workers_) {
-      who = o_.worker_kind == WorkerKind::kThread
-                ? fmt::format("worker {} (a thread)", it->second.worker)
-                : fmt::format("worker {} (PID {})", it->second.worker,
-                              workers_->pid(it->second.worker));
+      // The workers still filling it (more than one for a split first batch).
+      auto waiting = it->second.waiting;
+      if (waiting.empty()) waiting.push_back(it->second.worker);
+      who.clear();
+      for (int w : waiting) {
+        who += (who.empty() ? "" : " and ") +
+               (o_.worker_kind == WorkerKind::kThread
+                    ? fmt::format("worker {} (a thread)", w)
+                    : fmt::format("worker {} (PID {})", w, workers_->pid(w)));
+      }
     }
     std::string msg = fmt::format("batch {} of epoch {} was not ready within {} ms; waiting on {}",
                                   b, epoch_, o_.timeout.count(), who);
