@@ -7,8 +7,11 @@
 // Start-up: posix_spawn to waitpid of a program that exits at once (this binary, re-executed),
 // N times each, with and without LD_PRELOAD; medians and their difference. Per fork: the same
 // program forks N children (each _exit(0)s at once, waited for), with and without the library;
-// the median round of each. --python adds /usr/bin/python3 -c pass start-up.
+// the median round of each. Wall time and CPU time (user + system, from wait4) are both
+// printed: on a loaded machine the CPU time is the steadier figure. --python adds /usr/bin/python3
+// -c pass start-up.
 #include <spawn.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -35,8 +38,13 @@ std::vector<std::string> environment(const std::string& preload) {
   return env;
 }
 
-// Runs argv to completion; returns the wall time in microseconds and its stdout (first line).
-double run(const std::vector<std::string>& argv, const std::string& preload, std::string* out) {
+struct Times {
+  double wall_us = 0;
+  double cpu_us = 0;  // user + system time of the child: what it cost, whatever the machine's load
+};
+
+// Runs argv to completion; returns its wall and CPU time, and its stdout.
+Times run(const std::vector<std::string>& argv, const std::string& preload, std::string* out) {
   auto args = argv;
   auto env = environment(preload);
   std::vector<char*> a, e;
@@ -61,8 +69,12 @@ double run(const std::vector<std::string>& argv, const std::string& preload, std
   char buf[256];
   for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) text.append(buf, size_t(n));
   int status = 0;
-  ::waitpid(pid, &status, 0);
-  const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+  rusage usage{};
+  ::wait4(pid, &status, 0, &usage);
+  Times t;
+  t.wall_us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+  t.cpu_us = (usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) * 1e6 + usage.ru_utime.tv_usec +
+             usage.ru_stime.tv_usec;
   ::close(fds[0]);
   posix_spawn_file_actions_destroy(&fa);
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
@@ -70,7 +82,7 @@ double run(const std::vector<std::string>& argv, const std::string& preload, std
     std::exit(1);
   }
   if (out != nullptr) *out = text;
-  return us;
+  return t;
 }
 
 double median(std::vector<double> v) {
@@ -94,16 +106,26 @@ int fork_loop(int n) {
 
 void startup(const char* name, const std::vector<std::string>& argv, const std::string& library,
              int runs) {
-  std::vector<double> bare, traced;
+  std::vector<double> bare, traced, bare_cpu, traced_cpu;
   for (int i = 0; i < runs; ++i) {
-    bare.push_back(run(argv, "", nullptr));
-    traced.push_back(run(argv, library, nullptr));
+    const bool traced_first = i % 2 == 1;  // alternated: back-to-back runs are not alike
+    const Times first = run(argv, traced_first ? library : "", nullptr);
+    const Times second = run(argv, traced_first ? "" : library, nullptr);
+    const Times& b = traced_first ? second : first;
+    const Times& t = traced_first ? first : second;
+    bare.push_back(b.wall_us);
+    traced.push_back(t.wall_us);
+    bare_cpu.push_back(b.cpu_us);
+    traced_cpu.push_back(t.cpu_us);
   }
   const double b = median(bare), t = median(traced);
+  const double bc = median(bare_cpu), tc = median(traced_cpu);
+  std::printf("start-up  %-26s wall: bare %7.0f us  traced %7.0f us  added %+6.0f us (x%.3f)\n",
+              name, b, t, t - b, t / b);
   std::printf(
-      "start-up  %-28s bare %8.0f us   traced %8.0f us   added %+7.0f us  (x%.3f, "
-      "median of %d each)\n",
-      name, b, t, t - b, t / b, runs);
+      "          %-26s cpu:  bare %7.0f us  traced %7.0f us  added %+6.0f us (x%.3f)  "
+      "[medians of %d runs each]\n",
+      "", bc, tc, tc - bc, tc / bc, runs);
 }
 
 }  // namespace
@@ -146,19 +168,25 @@ int main(int argc, char** argv) {
   if (python)
     startup("/usr/bin/python3 -c pass", {"/usr/bin/python3", "-c", "pass"}, library,
             std::max(20, runs / 5));
-  std::vector<double> bare, traced;
+  std::vector<double> bare, traced, bare_cpu, traced_cpu;
   const std::string count = std::to_string(forks);
   for (int r = 0; r < rounds; ++r) {
-    std::string out;
-    run({self, "--child-forks", count}, "", &out);
-    bare.push_back(std::atof(out.c_str()));
-    run({self, "--child-forks", count}, library, &out);
-    traced.push_back(std::atof(out.c_str()));
+    // Which goes first alternates: the second of two back-to-back runs is not the same machine.
+    for (int k = 0; k < 2; ++k) {
+      const bool with = (k == 0) == (r % 2 == 1);
+      std::string out;
+      const Times times = run({self, "--child-forks", count}, with ? library : "", &out);
+      (with ? traced : bare).push_back(std::atof(out.c_str()));
+      (with ? traced_cpu : bare_cpu).push_back(times.cpu_us / forks);
+    }
   }
   const double b = median(bare), t = median(traced);
+  const double bc = median(bare_cpu), tc = median(traced_cpu);
+  std::printf("per fork  %-26s wall: bare %7.1f us  traced %7.1f us  added %+6.1f us (x%.3f)\n",
+              "(fork, _exit, waitpid)", b, t, t - b, t / b);
   std::printf(
-      "per fork  %-28s bare %8.1f us   traced %8.1f us   added %+7.1f us  (x%.3f, best "
-      "of %d rounds of %d forks)\n",
-      "(fork, child _exit, waitpid)", b, t, t - b, t / b, rounds, forks);
+      "          %-26s cpu:  bare %7.1f us  traced %7.1f us  added %+6.1f us (x%.3f)  "
+      "[medians of %d rounds of %d forks]\n",
+      "(in the forking process)", bc, tc, tc - bc, tc / bc, rounds, forks);
   return 0;
 }

@@ -47,18 +47,20 @@ const char* driver_path() {
 
 using CuInit = int (*)(unsigned);
 
-[[gnu::noinline]] int call_cuinit() {
+// The driver's cuInit, called by the functions below themselves: their frames are the init and
+// touch sites whatever the build (a sanitizer keeps frames a plain build would tail-call away).
+[[gnu::noinline]] CuInit cuinit_function() {
   if (g_driver == nullptr) load_cuda_driver();
   auto cu_init = reinterpret_cast<CuInit>(::dlsym(g_driver, "cuInit"));
   if (cu_init == nullptr) {
     std::fprintf(stderr, "trace_fork: no cuInit\n");
     std::exit(2);
   }
-  return cu_init(0);
+  return cu_init;
 }
 
 [[gnu::noinline]] void initialize_cuda_in_parent() {
-  std::printf("parent cuInit = %d\n", call_cuinit());  // trace-test: init site
+  std::printf("parent cuInit = %d\n", cuinit_function()(0));  // trace-test: init site
   std::fflush(stdout);
 }
 
@@ -109,7 +111,7 @@ void wait_for(pid_t pid) {
 }
 
 [[gnu::noinline]] void worker_touches_cuda() {
-  std::printf("child cuInit = %d\n", call_cuinit());  // trace-test: touch site
+  std::printf("child cuInit = %d\n", cuinit_function()(0));  // trace-test: touch site
   std::fflush(stdout);
 }
 

@@ -240,10 +240,17 @@ TEST_F(Trace, ADlopenByBareNameStillSearchesTheCallersRunpath) {
   // Found only through trace_linked's own RUNPATH: a dlopen wrapper that became the caller would
   // make it fail.
   const std::string path = dir_.path() + "/events.json";
+  auto untraced = ft::run({kTraceLinked, "nvml-by-name"}, env_);
   auto r = trace({"--quiet", "--json", path}, {kTraceLinked, "nvml-by-name"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_EQ(r.out, "dlopen(libnvidia-ml.so.1) ok\n");
+  EXPECT_EQ(r.out, untraced.out);  // whatever the program gets, it gets the same under trace
   EXPECT_EQ(r.err, "");
+  if (untraced.out != "dlopen(libnvidia-ml.so.1) ok\n") {
+    // ASan's and TSan's own dlopen interceptors call dlopen from the sanitizer runtime, which
+    // loses the caller's RUNPATH with or without forkguard trace.
+    GTEST_SKIP() << "this build's sanitizer runtime drops the caller's RUNPATH: " << untraced.out;
+  }
+  EXPECT_EQ(r.out, "dlopen(libnvidia-ml.so.1) ok\n");
   std::ifstream in(path);
   json doc = json::parse(in);
   bool seen = false;

@@ -4,9 +4,10 @@
 // - Every hook forwards to the real function and returns what it returned, errno included.
 // - Our own work inside a hook (the probe reads /proc, symbolizing reads ELF files) runs with
 //   t_busy set, so that it is not itself recorded and cannot recurse.
-// - The fork handlers only take two mutexes of ours and, in a process that never loaded a CUDA
-//   driver, do nothing else. The child handler is async-signal-safe: it closes and writes file
-//   descriptors and resets our locks; the reports it needs were prepared before the fork.
+// - The fork handlers exist only once the process came near CUDA (see activate()); until the
+//   driver is mapped they only take two mutexes of ours. The child handler is async-signal-safe:
+//   it closes and writes file descriptors and resets our locks; the reports it needs were
+//   prepared before the fork.
 // - Python frames are read with the GIL only where this thread holds no lock the GIL holder could
 //   wait for (see GilPolicy); elsewhere the native frames stand alone and the report says why.
 #include <dlfcn.h>
@@ -141,7 +142,27 @@ Device device_of(std::string_view path) {
 // --- the record of this process ------------------------------------------------------------------
 // g_mu guards the record. Constant-initialized; the fork handlers hold it across fork() so the
 // child's copy is consistent, and the child re-creates it.
+//
+// The fork handlers are registered by activate(), when the process first comes near CUDA (a CUDA
+// library mapped, a device file opened, cuInit): a process that never does runs no code of ours
+// at fork, not even a check. Every path to a state that is not fork-safe goes through one of
+// those hooks first (cuInit opens nvidia-uvm), and activate() is never called from a fork
+// handler before the handlers exist (glibc holds its atfork lock while they run).
 std::mutex g_mu;
+std::atomic<bool> g_active{false};
+__attribute__((tls_model("initial-exec"))) thread_local bool t_locked = false;
+
+void before_fork();
+void after_fork_parent();
+void after_fork_child();
+
+void activate() {
+  if (g_active.load(std::memory_order_relaxed)) return;
+  bool expected = false;
+  if (g_active.compare_exchange_strong(expected, true)) {
+    ::pthread_atfork(before_fork, after_fork_parent, after_fork_child);
+  }
+}
 std::vector<Event>* g_events = nullptr;           // recorded here (a child inherits its parent's)
 std::vector<std::string>* g_seen_libs = nullptr;  // CUDA libraries already reported
 unsigned g_devices_seen = 0;                      // bit per device file: ctl, uvm, gpu 0..29
@@ -194,6 +215,7 @@ void record(Event e) {
     ensure_symbolized(e);
     append_json(e);
   }
+  activate();
   std::lock_guard lock(g_mu);
   events().push_back(std::move(e));
 }
@@ -221,11 +243,15 @@ std::vector<std::string> new_cuda_libraries() {
         return 0;
       },
       &ctx);
-  g_scan_needed.store(false, std::memory_order_relaxed);
+  if (g_scan_needed.load(std::memory_order_relaxed)) {
+    g_scan_needed.store(false, std::memory_order_relaxed);
+  }
   if (ctx.unchanged) return {};
-  std::vector<std::string> fresh;
-  std::lock_guard lock(g_mu);
   __atomic_store_n(&g_last_adds, ctx.adds, __ATOMIC_RELAXED);
+  std::vector<std::string> fresh;
+  if (ctx.found.empty()) return fresh;
+  activate();
+  std::lock_guard lock(g_mu);
   if (g_seen_libs == nullptr) g_seen_libs = new std::vector<std::string>;
   for (auto& path : ctx.found) {
     bool seen = false;
@@ -279,7 +305,8 @@ void scan_if_needed() {
 // ctypes and libffi hold no lock of the program's when they call into C: the thread there may
 // wait for the GIL (it released it just before the call).
 GilPolicy policy_for_caller(const void* caller) {
-  auto base = basename_of(object_of(caller));
+  const std::string object = object_of(caller);
+  const auto base = basename_of(object);
   if (starts_with(base, "libffi.so") || starts_with(base, "_ctypes")) return GilPolicy::kMayTake;
   return GilPolicy::kIfHeld;
 }
@@ -388,7 +415,8 @@ void device_opened(const char* path, const void* caller) {
   if (device == Device::kNone) return;
   if (g_poisoned != nullptr) {
     // NVML opens nvidiactl and nvidiaN too, and works in a forked child: not a CUDA touch.
-    const bool nvml = starts_with(basename_of(object_of(caller)), "libnvidia-ml.so");
+    const std::string object = object_of(caller);
+    const bool nvml = starts_with(basename_of(object), "libnvidia-ml.so");
     if (device == Device::kUvm || !nvml) {
       poisoned_touch(device == Device::kUvm ? "open of nvidia-uvm" : "open of a GPU device file",
                      caller, GilPolicy::kIfHeld);
@@ -400,6 +428,7 @@ void device_opened(const char* path, const void* caller) {
   if (device == Device::kGpu) {
     bit = 4u << std::min(std::atoi(basename_of(path).substr(6).data()), 29);
   }
+  activate();
   {
     std::lock_guard lock(g_mu);
     if ((g_devices_seen & bit) != 0) return;
@@ -712,9 +741,12 @@ void before_fork() {
   }
   g_mu.lock();
   g_watch_mu.lock();
+  t_locked = true;
 }
 
 void after_fork_parent() {
+  if (!t_locked) return;
+  t_locked = false;
   PreparedFork* p = t_prepared;
   t_prepared = nullptr;
   if (p != nullptr) {
@@ -742,6 +774,7 @@ void after_fork_parent() {
 
 // Async-signal-safe: no allocation, no lock taken.
 void after_fork_child() {
+  t_locked = false;
   new (&g_mu) std::mutex;
   new (&g_watch_mu) std::mutex;
   new (&g_watch_cv) std::condition_variable;
@@ -778,7 +811,6 @@ __attribute__((constructor)) void start() {
   Busy busy;
   (void)config();
   (void)self_path();
-  ::pthread_atfork(before_fork, after_fork_parent, after_fork_child);
   scan(nullptr, nullptr, "linked at start-up");
 }
 
@@ -839,6 +871,7 @@ int forkguard_trace_dlopen_pre(const char* file, int /*mode*/, const void* calle
     pending->time = ftd::now_epoch();
     ftd::capture_pcs(pending->raw);
     ftd::python_frames(pending->stack, ftd::policy_for_caller(caller));
+    ftd::activate();
     std::lock_guard lock(ftd::g_mu);
     delete ftd::g_pending_load;
     ftd::g_pending_load = pending;

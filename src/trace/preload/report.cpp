@@ -24,8 +24,9 @@ bool is_library_python(const PythonFrame& f) {
 // Objects whose frames are the machinery between the user's code and the event.
 bool is_system_object(std::string_view library) {
   auto base = basename_of(library);
-  for (std::string_view p : {"libc.so", "libcuda.so", "libcudart.so", "libnvidia-ml.so",
-                             "libffi.so", "libforkguard.so", "ld-linux", "libstdc++.so"}) {
+  for (std::string_view p :
+       {"libc.so", "libcuda.so", "libcudart.so", "libnvidia-ml.so", "libffi.so", "libforkguard.so",
+        "ld-linux", "libstdc++.so", "libasan.so", "libtsan.so", "libubsan.so"}) {
     if (starts_with(base, p)) return true;
   }
   return false;

@@ -101,9 +101,15 @@ std::vector<NativeFrame> symbolize(const RawStack& raw) {
       out.push_back({demangle(name.empty() ? nullptr : name.c_str()), library, offset, "", 0});
     }
   }
-  // The C library's own frames on top (fork's handlers, open's wrapper) say nothing to the user.
+  // The C library's own frames on top (fork's handlers, open's wrapper), and a sanitizer
+  // runtime's interceptors, say nothing to the user.
+  auto machinery = [](std::string_view library) {
+    auto base = basename_of(library);
+    return base.substr(0, 7) == "libc.so" || base.substr(0, 9) == "libasan.s" ||
+           base.substr(0, 9) == "libtsan.s" || base.substr(0, 10) == "libubsan.s";
+  };
   size_t first = 0;
-  while (first < out.size() && basename_of(out[first].library).substr(0, 7) == "libc.so") ++first;
+  while (first < out.size() && machinery(out[first].library)) ++first;
   out.erase(out.begin(), out.begin() + static_cast<long>(first));
   // Below main() is the C library's start-up: nothing to act on.
   for (size_t i = 0; i < out.size(); ++i) {
