@@ -80,18 +80,23 @@ struct Config {
   int grace_ms = 1000;  // FORKGUARD_TRACE_EXEC_GRACE_MS: how long a child may take to exec
 };
 
+// Never destroyed: the destructor at exit (stop()) and the watcher thread still read it after
+// the function-local statics' destructors have run.
 const Config& config() {
-  static const Config c = [] {
-    Config c;
-    if (const char* v = std::getenv("FORKGUARD_TRACE_EVENTS")) c.events = v;
-    if (const char* v = std::getenv("FORKGUARD_TRACE_STRICT")) c.strict = *v != '\0' && *v != '0';
+  static const Config* c = [] {
+    auto* c = new Config;
+    Config& cfg = *c;
+    if (const char* v = std::getenv("FORKGUARD_TRACE_EVENTS")) cfg.events = v;
+    if (const char* v = std::getenv("FORKGUARD_TRACE_STRICT")) {
+      cfg.strict = *v != '\0' && *v != '0';
+    }
     if (const char* v = std::getenv("FORKGUARD_TRACE_EXEC_GRACE_MS")) {
       int ms = std::atoi(v);
-      if (ms > 0) c.grace_ms = ms;
+      if (ms > 0) cfg.grace_ms = ms;
     }
     return c;
   }();
-  return c;
+  return *c;
 }
 
 double now_epoch() {
@@ -609,7 +614,7 @@ struct Pending {
 };
 
 std::mutex g_watch_mu;
-std::condition_variable g_watch_cv;
+std::condition_variable* g_watch_cv = nullptr;  // never destroyed (stop() runs after destructors)
 std::vector<Pending>* g_pending = nullptr;
 std::vector<std::string>* g_reported_sites = nullptr;
 bool g_watcher_running = false;
@@ -679,7 +684,7 @@ void watch() {
       std::unique_lock lock(g_watch_mu);
       if (g_pending->empty() && g_watcher_exiting) {
         g_watcher_done = true;
-        g_watch_cv.notify_all();
+        g_watch_cv->notify_all();
         return;
       }
       fds.push_back({g_wake[0], POLLIN, 0});
@@ -760,6 +765,7 @@ void after_fork_parent() {
                     {}, false, Clock::now() + std::chrono::milliseconds(config().grace_ms)};
       g_pending->push_back(entry);
       if (!g_watcher_running && ::pipe2(g_wake, O_CLOEXEC | O_NONBLOCK) == 0) {
+        if (g_watch_cv == nullptr) g_watch_cv = new std::condition_variable;
         g_watcher_running = true;
         g_watcher_exiting = false;
         g_watcher_done = false;
@@ -777,8 +783,8 @@ void after_fork_child() {
   t_locked = false;
   new (&g_mu) std::mutex;
   new (&g_watch_mu) std::mutex;
-  new (&g_watch_cv) std::condition_variable;
-  g_pending = nullptr;  // the parent's entries: leaked in the child, never touched
+  g_watch_cv = nullptr;  // the parent's: leaked in the child, never touched
+  g_pending = nullptr;   // the parent's entries: leaked in the child, never touched
   g_watcher_running = false;
   if (g_wake[0] >= 0) ::close(g_wake[0]);
   if (g_wake[1] >= 0) ::close(g_wake[1]);
@@ -825,8 +831,8 @@ __attribute__((destructor)) void stop() {
   if (!g_watcher_running) return;
   g_watcher_exiting = true;
   wake_watcher();
-  g_watch_cv.wait_for(lock, std::chrono::milliseconds(config().grace_ms + 2000),
-                      [] { return g_watcher_done; });
+  g_watch_cv->wait_for(lock, std::chrono::milliseconds(config().grace_ms + 2000),
+                       [] { return g_watcher_done; });
 }
 
 template <typename F>

@@ -128,8 +128,10 @@ std::string object_of(const void* address) {
 }
 
 const std::string& self_path() {
-  static const std::string path = object_of(reinterpret_cast<const void*>(&self_path));
-  return path;
+  // Never destroyed: used by the library's destructor, after the statics' destructors have run.
+  static const std::string* path =
+      new std::string(object_of(reinterpret_cast<const void*>(&self_path)));
+  return *path;
 }
 
 // --- Python ------------------------------------------------------------------------------------
