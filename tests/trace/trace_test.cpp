@@ -349,6 +349,11 @@ TEST_F(Trace, ImportTorchPrintsNothingAndExitsZero) {
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(r.out, "");
   EXPECT_EQ(r.err, "");
+  // Without --quiet, the one-line summary alone.
+  auto summary = trace({}, {kPython, "-c", "import torch"});
+  EXPECT_EQ(summary.exit_code, 0) << summary.err;
+  EXPECT_EQ(summary.err,
+            "forkguard trace: nothing to report: no fork after CUDA initialization.\n");
 }
 
 }  // namespace

@@ -194,7 +194,7 @@ struct PoisonedInfo {
   std::string parent_init_headline;
 };
 const PoisonedInfo* g_poisoned = nullptr;
-bool g_poisoned_reported = false;
+std::atomic<bool> g_poisoned_reported{false};
 int g_exec_notify_fd = -1;  // this child's end of its parent's exec pipe (close-on-exec)
 
 std::vector<Event>& events() {
@@ -565,8 +565,7 @@ PreparedFork* prepare_fork() {
 }
 
 void poisoned_touch(const char* touch, const void* caller, GilPolicy policy) {
-  if (g_poisoned == nullptr || g_poisoned_reported || t_busy) return;
-  g_poisoned_reported = true;
+  if (g_poisoned == nullptr || t_busy || g_poisoned_reported.exchange(true)) return;
   (void)caller;
   Busy busy;
   const PoisonedInfo& info = *g_poisoned;
@@ -802,7 +801,7 @@ void after_fork_child() {
     g_exec_notify_fd = p->write_fd;
   }
   g_poisoned = &p->child_info;
-  g_poisoned_reported = false;
+  g_poisoned_reported.store(false, std::memory_order_relaxed);
 }
 
 void about_to_exec() {
