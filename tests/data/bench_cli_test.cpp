@@ -16,6 +16,7 @@
 
 #include "paths.hpp"
 #include "process.hpp"
+#include "test_images.hpp"
 
 namespace ft = forkguard::testing;
 namespace fs = std::filesystem;
@@ -23,35 +24,7 @@ namespace fs = std::filesystem;
 namespace {
 
 void write_jpeg(const fs::path& path, int w, int h, int seed) {
-  std::vector<uint8_t> rgb(static_cast<size_t>(w) * h * 3);
-  for (int y = 0; y < h; ++y) {
-    for (int x = 0; x < w; ++x) {
-      uint8_t* p = &rgb[(static_cast<size_t>(y) * w + x) * 3];
-      p[0] = static_cast<uint8_t>((x * 255) / w + seed);
-      p[1] = static_cast<uint8_t>((y * 255) / h);
-      p[2] = static_cast<uint8_t>(128 + 100 * std::sin((x + seed) * 0.1));
-    }
-  }
-  jpeg_compress_struct c{};
-  jpeg_error_mgr err{};
-  c.err = jpeg_std_error(&err);
-  jpeg_create_compress(&c);
-  FILE* f = std::fopen(path.c_str(), "wb");
-  jpeg_stdio_dest(&c, f);
-  c.image_width = static_cast<JDIMENSION>(w);
-  c.image_height = static_cast<JDIMENSION>(h);
-  c.input_components = 3;
-  c.in_color_space = JCS_RGB;
-  jpeg_set_defaults(&c);
-  jpeg_set_quality(&c, 90, TRUE);
-  jpeg_start_compress(&c, TRUE);
-  while (c.next_scanline < c.image_height) {
-    JSAMPROW row = &rgb[static_cast<size_t>(c.next_scanline) * w * 3];
-    jpeg_write_scanlines(&c, &row, 1);
-  }
-  jpeg_finish_compress(&c);
-  jpeg_destroy_compress(&c);
-  std::fclose(f);
+  ft::write_bytes(path, ft::encode_jpeg(ft::gradient_picture(w, h, seed), w, h));
 }
 
 std::string make_folder(const std::string& root) {

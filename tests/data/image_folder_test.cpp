@@ -9,24 +9,17 @@
 
 #include "forkguard/data/error.hpp"
 #include "process.hpp"
+#include "test_images.hpp"
 
 namespace fd = forkguard::data;
 namespace fs = std::filesystem;
+namespace ft = forkguard::testing;
 
 namespace {
 
 void write(const fs::path& p, const std::string& bytes) {
   fs::create_directories(p.parent_path());
   std::ofstream(p, std::ios::binary) << bytes;
-}
-
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const fd::DataError& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 }  // namespace
@@ -58,26 +51,28 @@ TEST(ImageFolder, ClassesAndFilesAreOrderedAsTorchvisionDoes) {
 TEST(ImageFolder, BadRootsAndFilesAreNamed) {
   forkguard::testing::TempDir dir;
   fs::path root = fs::path(dir.path());
-  EXPECT_NE(message_of([&] {
+  EXPECT_NE(ft::data_error_of([&] {
               fd::ImageFolder((root / "missing").string());
             }).find((root / "missing").string() + ": not a directory"),
             std::string::npos);
   fs::create_directories(root / "empty");
-  EXPECT_NE(
-      message_of([&] { fd::ImageFolder((root / "empty").string()); }).find("no class directories"),
-      std::string::npos);
+  EXPECT_NE(ft::data_error_of([&] {
+              fd::ImageFolder((root / "empty").string());
+            }).find("no class directories"),
+            std::string::npos);
   fs::create_directories(root / "noimg" / "a");
   write(root / "noimg" / "a" / "x.txt", "x");
-  EXPECT_NE(message_of([&] { fd::ImageFolder((root / "noimg").string()); }).find("no image files"),
-            std::string::npos);
+  EXPECT_NE(
+      ft::data_error_of([&] { fd::ImageFolder((root / "noimg").string()); }).find("no image files"),
+      std::string::npos);
   write(root / "ok" / "a" / "zero.jpg", "");
   fd::ImageFolder ds((root / "ok").string());
-  EXPECT_EQ(message_of([&] { ds.read(0); }),
+  EXPECT_EQ(ft::data_error_of([&] { ds.read(0); }),
             (root / "ok" / "a" / "zero.jpg").string() + ": empty file (0 bytes)");
   if (::geteuid() != 0) {  // root reads anything
     write(root / "ok" / "a" / "zero.jpg", "x");
     ::chmod((root / "ok" / "a" / "zero.jpg").c_str(), 0);
-    EXPECT_NE(message_of([&] { ds.read(0); }).find("cannot open: Permission denied"),
+    EXPECT_NE(ft::data_error_of([&] { ds.read(0); }).find("cannot open: Permission denied"),
               std::string::npos);
   }
 }
@@ -94,10 +89,11 @@ TEST(FileList, PathsAreRelativeToTheListAndLinesAreChecked) {
   EXPECT_EQ(ds.key(0), (root / "img" / "a.jpg").string());
   EXPECT_EQ(ds.read(1).label, 3);
   write(root / "bad.txt", "img/a.jpg seven\n");
-  EXPECT_EQ(message_of([&] { fd::FileList((root / "bad.txt").string()); }),
+  EXPECT_EQ(ft::data_error_of([&] { fd::FileList((root / "bad.txt").string()); }),
             (root / "bad.txt").string() + ":1: expected \"path label\", got \"img/a.jpg seven\"");
   write(root / "none.txt", "\n# nothing\n");
-  EXPECT_NE(
-      message_of([&] { fd::FileList((root / "none.txt").string()); }).find("no samples listed"),
-      std::string::npos);
+  EXPECT_NE(ft::data_error_of([&] {
+              fd::FileList((root / "none.txt").string());
+            }).find("no samples listed"),
+            std::string::npos);
 }

@@ -14,9 +14,11 @@
 #include "data/image/resample.hpp"
 #include "forkguard/data/error.hpp"
 #include "forkguard/data/image_transform.hpp"
+#include "test_images.hpp"
 
 namespace fd = forkguard::data;
 namespace fi = forkguard::data::image;
+namespace ft = forkguard::testing;
 
 namespace {
 
@@ -32,37 +34,6 @@ std::vector<uint8_t> picture(int w, int h) {
     }
   }
   return rgb;
-}
-
-std::vector<uint8_t> encode_jpeg(const std::vector<uint8_t>& rgb, int w, int h, int comps = 3,
-                                 const std::vector<uint8_t>& app1 = {}) {
-  jpeg_compress_struct c{};
-  jpeg_error_mgr err{};
-  c.err = jpeg_std_error(&err);
-  jpeg_create_compress(&c);
-  unsigned char* out = nullptr;
-  unsigned long size = 0;
-  jpeg_mem_dest(&c, &out, &size);
-  c.image_width = static_cast<JDIMENSION>(w);
-  c.image_height = static_cast<JDIMENSION>(h);
-  c.input_components = comps;
-  c.in_color_space = comps == 3 ? JCS_RGB : JCS_GRAYSCALE;
-  jpeg_set_defaults(&c);
-  jpeg_set_quality(&c, 95, TRUE);
-  jpeg_start_compress(&c, TRUE);
-  if (!app1.empty()) {
-    jpeg_write_marker(&c, JPEG_APP0 + 1, app1.data(), static_cast<unsigned>(app1.size()));
-  }
-  std::vector<uint8_t> gray;
-  while (c.next_scanline < c.image_height) {
-    JSAMPROW row = const_cast<uint8_t*>(&rgb[static_cast<size_t>(c.next_scanline) * w * comps]);
-    jpeg_write_scanlines(&c, &row, 1);
-  }
-  jpeg_finish_compress(&c);
-  std::vector<uint8_t> bytes(out, out + size);
-  jpeg_destroy_compress(&c);
-  std::free(out);
-  return bytes;
 }
 
 std::vector<uint8_t> encode_png(const void* pixels, int w, int h, uint32_t format) {
@@ -97,20 +68,11 @@ double mean_abs_diff(const std::vector<uint8_t>& a, const std::vector<uint8_t>& 
   return s / static_cast<double>(a.size());
 }
 
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const fd::DataError& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
 }  // namespace
 
 TEST(ImageDecode, CropAwareScaledDecodeMatchesTheFullDecodeOfTheSameBox) {
   const int w = 1200, h = 900;
-  auto jpg = encode_jpeg(picture(w, h), w, h);
+  auto jpg = ft::encode_jpeg(picture(w, h), w, h, 95);
   for (fi::Box box : {fi::Box{100, 50, 1100, 850}, fi::Box{0, 0, 1200, 900},
                       fi::Box{700, 400, 1000, 700}, fi::Box{10.5, 20.25, 300.75, 500.5}}) {
     auto full = decode(jpg, box, 224, false);
@@ -177,8 +139,8 @@ TEST(ImageDecode, ExifOrientationIsIgnoredAsTorchvisionDoes) {
                                      0x01, 0x12, 0,   3,    0, 0, 0, 1,
                                      0,    6,    0,   0,  // Orientation 6
                                      0,    0,    0,   0};
-  auto plain = encode_jpeg(picture(w, h), w, h);
-  auto tagged = encode_jpeg(picture(w, h), w, h, 3, exif);
+  auto plain = ft::encode_jpeg(picture(w, h), w, h, 95);
+  auto tagged = ft::encode_jpeg(picture(w, h), w, h, 95, 3, exif);
   ASSERT_NE(plain, tagged);
   ASSERT_NE(std::search(tagged.begin(), tagged.end(), exif.begin(), exif.begin() + 4),
             tagged.end());
@@ -199,7 +161,7 @@ TEST(ImageDecode, GrayJpegAndPngFormatsBecomeRgb) {
   const int w = 64, h = 48;
   std::vector<uint8_t> gray(static_cast<size_t>(w) * h);
   for (size_t i = 0; i < gray.size(); ++i) gray[i] = static_cast<uint8_t>(i % 251);
-  auto g = decode(encode_jpeg(gray, w, h, 1), {0, 0, 64, 48}, 64, false);
+  auto g = decode(ft::encode_jpeg(gray, w, h, 95, 1), {0, 0, 64, 48}, 64, false);
   ASSERT_EQ(g.rgb.size(), static_cast<size_t>(w) * h * 3);
   EXPECT_EQ(g.rgb[300], g.rgb[301]);  // R == G == B
   EXPECT_NEAR(g.rgb[300], gray[100], 6);
@@ -222,21 +184,24 @@ TEST(ImageDecode, GrayJpegAndPngFormatsBecomeRgb) {
 }
 
 TEST(ImageDecode, BadInputIsNamedAndBombsAreRefusedBeforeDecoding) {
-  auto jpg = encode_jpeg(picture(320, 240), 320, 240);
-  EXPECT_EQ(message_of([&] { decode({}, {0, 0, 1, 1}, 8); }), "test.jpg: empty file (0 bytes)");
+  auto jpg = ft::encode_jpeg(picture(320, 240), 320, 240, 95);
+  EXPECT_EQ(ft::data_error_of([&] {
+              decode({}, {0, 0, 1, 1}, 8);
+            }),
+            "test.jpg: empty file (0 bytes)");
   std::vector<uint8_t> text = {'h', 'e', 'l', 'l', 'o'};
-  EXPECT_EQ(message_of([&] {
+  EXPECT_EQ(ft::data_error_of([&] {
               decode(text, {0, 0, 1, 1}, 8);
             }),
             "test.jpg: not an image (neither JPEG nor PNG)");
   std::vector<uint8_t> cut(jpg.begin(), jpg.begin() + static_cast<long>(jpg.size() / 2));
-  EXPECT_EQ(message_of([&] {
+  EXPECT_EQ(ft::data_error_of([&] {
               decode(cut, {0, 0, 320, 240}, 64, false);
             }),
             "test.jpg: corrupt JPEG: truncated JPEG (premature end of data)");
   std::vector<uint8_t> garbage = jpg;
   for (size_t i = 4; i < 200; ++i) garbage[i] = 0x5a;  // the SOI and a marker byte kept
-  EXPECT_NE(message_of([&] {
+  EXPECT_NE(ft::data_error_of([&] {
               decode(garbage, {0, 0, 320, 240}, 64);
             }).find("test.jpg: corrupt JPEG: "),
             std::string::npos);
@@ -248,14 +213,14 @@ TEST(ImageDecode, BadInputIsNamedAndBombsAreRefusedBeforeDecoding) {
       break;
     }
   }
-  EXPECT_EQ(message_of([&] {
+  EXPECT_EQ(ft::data_error_of([&] {
               decode(bomb, {0, 0, 1, 1}, 8);
             }),
             "test.jpg: 60000x60000 = 3600000000 pixels, more than max_pixels (100000000); "
             "refusing to decode (a decompression bomb?)");
   auto png = encode_png(picture(32, 32).data(), 32, 32, PNG_FORMAT_RGB);
   png[40] ^= 0xff;  // inside IDAT: a bad checksum or bad data
-  EXPECT_NE(message_of([&] {
+  EXPECT_NE(ft::data_error_of([&] {
               fi::decode(png.data(), png.size(), "x.png", {}, [](int, int) {
                 return fi::Box{0, 0, 32, 32};
               });
@@ -290,7 +255,7 @@ TEST(ImageTransform, RandomResizedCropFollowsTorchvision) {
 
 TEST(ImageTransform, EvalCentersAndNormalizesAndFlipIsAMirror) {
   const int w = 400, h = 300;
-  auto jpg = encode_jpeg(picture(w, h), w, h);
+  auto jpg = ft::encode_jpeg(picture(w, h), w, h, 95);
   fd::Sample s{jpg, 0, "pic.jpg"};
   fd::ImageTransform eval_u8(
       {.train = false, .dtype = fd::DType::kUInt8, .layout = fd::Layout::kNHWC});

@@ -25,6 +25,7 @@
 #include "forkguard/data/loader.hpp"
 #include "paths.hpp"
 #include "process.hpp"
+#include "test_images.hpp"
 
 namespace fd = forkguard::data;
 namespace ft = forkguard::testing;
@@ -34,48 +35,12 @@ namespace {
 
 using Bytes = std::vector<unsigned char>;
 
-std::vector<uint8_t> picture(int w, int h, int seed) {
-  std::vector<uint8_t> rgb(static_cast<size_t>(w) * h * 3);
-  for (int y = 0; y < h; ++y) {
-    for (int x = 0; x < w; ++x) {
-      uint8_t* p = &rgb[(static_cast<size_t>(y) * w + x) * 3];
-      p[0] = static_cast<uint8_t>((x * 255) / w + seed * 17);
-      p[1] = static_cast<uint8_t>((y * 255) / h);
-      p[2] = static_cast<uint8_t>(128 + 100 * std::sin((x + seed) * 0.1));
-    }
-  }
-  return rgb;
-}
-
 Bytes jpeg(int w, int h, int seed) {
-  auto rgb = picture(w, h, seed);
-  jpeg_compress_struct c{};
-  jpeg_error_mgr err{};
-  c.err = jpeg_std_error(&err);
-  jpeg_create_compress(&c);
-  unsigned char* out = nullptr;
-  unsigned long size = 0;
-  jpeg_mem_dest(&c, &out, &size);
-  c.image_width = static_cast<JDIMENSION>(w);
-  c.image_height = static_cast<JDIMENSION>(h);
-  c.input_components = 3;
-  c.in_color_space = JCS_RGB;
-  jpeg_set_defaults(&c);
-  jpeg_set_quality(&c, 90, TRUE);
-  jpeg_start_compress(&c, TRUE);
-  while (c.next_scanline < c.image_height) {
-    JSAMPROW row = &rgb[static_cast<size_t>(c.next_scanline) * w * 3];
-    jpeg_write_scanlines(&c, &row, 1);
-  }
-  jpeg_finish_compress(&c);
-  Bytes bytes(out, out + size);
-  jpeg_destroy_compress(&c);
-  std::free(out);
-  return bytes;
+  return ft::encode_jpeg(ft::gradient_picture(w, h, seed), w, h);
 }
 
 Bytes png(int w, int h, int seed) {
-  auto rgb = picture(w, h, seed);
+  auto rgb = ft::gradient_picture(w, h, seed);
   png_image img{};
   img.version = PNG_IMAGE_VERSION;
   img.width = static_cast<png_uint_32>(w);
@@ -139,15 +104,6 @@ with tarfile.open(out, 'w', format=formats[fmt]) as t:
   argv.insert(argv.end(), names.begin(), names.end());
   auto r = ft::run(argv);
   ASSERT_EQ(r.exit_code, 0) << tool << ": " << r.err;
-}
-
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const fd::DataError& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 #define EXPECT_CONTAINS(haystack, needle)                                  \
@@ -261,10 +217,11 @@ TEST(TarShards, BracePatternsDirectoriesAndDescribe) {
                                       "a/10-x.tar", "a/10-y.tar", "a/11-x.tar", "a/11-y.tar"}));
   EXPECT_EQ(fd::expand_shard_pattern("{098..100}.tar"),
             (std::vector<std::string>{"098.tar", "099.tar", "100.tar"}));
-  EXPECT_CONTAINS(message_of([] { fd::expand_shard_pattern("s-{3..1}.tar"); }),
+  EXPECT_CONTAINS(ft::data_error_of([] { fd::expand_shard_pattern("s-{3..1}.tar"); }),
                   "\"s-{3..1}.tar\": {3..1}: the range is empty");
-  EXPECT_CONTAINS(message_of([] { fd::expand_shard_pattern("s-{000..9.tar"); }), "'{' without '}'");
-  EXPECT_CONTAINS(message_of([] { fd::expand_shard_pattern("s-{abc}.tar"); }),
+  EXPECT_CONTAINS(ft::data_error_of([] { fd::expand_shard_pattern("s-{000..9.tar"); }),
+                  "'{' without '}'");
+  EXPECT_CONTAINS(ft::data_error_of([] { fd::expand_shard_pattern("s-{abc}.tar"); }),
                   "expected {first..last} or {a,b,...}");
 }
 
@@ -274,27 +231,28 @@ TEST(TarShards, MissingUnreadableAndCorruptShardsFailConstructionNamingTheShard)
   const std::string pattern = make_three_shards(root);
   const std::string shard1 = (root / "shard-000001.tar").string();
 
-  EXPECT_CONTAINS(message_of([&] { fd::TarShards((root / "nope-{0..3}.tar").string()); }),
+  EXPECT_CONTAINS(ft::data_error_of([&] { fd::TarShards((root / "nope-{0..3}.tar").string()); }),
                   "nope-{0..3}.tar\": the pattern matches no file");
   EXPECT_CONTAINS(
-      message_of([&] { fd::TarShards((root / "shard-{000000..000003}.tar").string()); }),
+      ft::data_error_of([&] { fd::TarShards((root / "shard-{000000..000003}.tar").string()); }),
       (root / "shard-000003.tar").string() +
           ": cannot open shard: No such file or directory (from \"");
-  EXPECT_CONTAINS(message_of([&] { fd::TarShards((root / "missing.tar").string()); }),
+  EXPECT_CONTAINS(ft::data_error_of([&] { fd::TarShards((root / "missing.tar").string()); }),
                   (root / "missing.tar").string() + ": cannot open shard: No such file");
   fs::create_directories(root / "empty");
-  EXPECT_CONTAINS(message_of([&] { fd::TarShards((root / "empty").string()); }),
+  EXPECT_CONTAINS(ft::data_error_of([&] { fd::TarShards((root / "empty").string()); }),
                   (root / "empty").string() + ": no *.tar files in this directory");
-  EXPECT_CONTAINS(message_of([&] { fd::TarShards((root / "shard-00000{0,1,0}.tar").string()); }),
-                  "the shard " + (root / "shard-000000.tar").string() + " is named twice");
+  EXPECT_CONTAINS(
+      ft::data_error_of([&] { fd::TarShards((root / "shard-00000{0,1,0}.tar").string()); }),
+      "the shard " + (root / "shard-000000.tar").string() + " is named twice");
 
   // Not a tar at all: a JPEG under a .tar name.
   write(root / "photo.tar", jpeg(64, 64, 1));
   EXPECT_CONTAINS(
-      message_of([&] { fd::TarShards((root / "photo.tar").string()); }),
+      ft::data_error_of([&] { fd::TarShards((root / "photo.tar").string()); }),
       (root / "photo.tar").string() + ": bad tar header checksum at offset 0 (stored unreadable");
   write(root / "zero.tar", {});
-  EXPECT_CONTAINS(message_of([&] { fd::TarShards((root / "zero.tar").string()); }),
+  EXPECT_CONTAINS(ft::data_error_of([&] { fd::TarShards((root / "zero.tar").string()); }),
                   "zero.tar: empty file (0 bytes), not a tar");
 
   // A flipped byte in the second member's header (at 512 + the first member's padded data).
@@ -305,30 +263,31 @@ TEST(TarShards, MissingUnreadableAndCorruptShardsFailConstructionNamingTheShard)
   std::string corrupt = bytes;
   corrupt[second + 3] ^= 0x20;  // in the name
   write(root / "corrupt.tar", text(corrupt));
-  EXPECT_CONTAINS(message_of([&] { fd::TarShards((root / "corrupt.tar").string()); }),
+  EXPECT_CONTAINS(ft::data_error_of([&] { fd::TarShards((root / "corrupt.tar").string()); }),
                   fmt::format("{}: bad tar header checksum at offset {}",
                               (root / "corrupt.tar").string(), second));
 
   // Truncated inside a member's data, and at a member boundary (no end-of-archive blocks).
   write(root / "cut.tar", text(bytes.substr(0, second + 512 + 100)));
-  EXPECT_CONTAINS(message_of([&] { fd::TarShards((root / "cut.tar").string()); }),
+  EXPECT_CONTAINS(ft::data_error_of([&] { fd::TarShards((root / "cut.tar").string()); }),
                   fmt::format("{}: member \"s1_0000.jpg\" at offset {}: its ",
                               (root / "cut.tar").string(), second));
-  EXPECT_CONTAINS(message_of([&] { fd::TarShards((root / "cut.tar").string()); }),
+  EXPECT_CONTAINS(ft::data_error_of([&] { fd::TarShards((root / "cut.tar").string()); }),
                   "run past the end of the file");
   write(root / "boundary.tar", text(bytes.substr(0, second)));
   EXPECT_CONTAINS(
-      message_of([&] { fd::TarShards((root / "boundary.tar").string()); }),
+      ft::data_error_of([&] { fd::TarShards((root / "boundary.tar").string()); }),
       fmt::format("{}: the file ends at offset {} without the end-of-archive blocks: truncated",
                   (root / "boundary.tar").string(), second));
 
   // A shard in the middle of the pattern that cannot be read.
   fs::create_directories(root / "dir.tar");
-  EXPECT_CONTAINS(message_of([&] { fd::TarShards((root / "{shard-000000,dir}.tar").string()); }),
-                  (root / "dir.tar").string() + ": not a regular file (from \"");
+  EXPECT_CONTAINS(
+      ft::data_error_of([&] { fd::TarShards((root / "{shard-000000,dir}.tar").string()); }),
+      (root / "dir.tar").string() + ": not a regular file (from \"");
   if (::geteuid() != 0) {  // root reads anything
     ::chmod(shard1.c_str(), 0);
-    EXPECT_CONTAINS(message_of([&] { fd::TarShards{pattern}; }),
+    EXPECT_CONTAINS(ft::data_error_of([&] { fd::TarShards{pattern}; }),
                     shard1 + ": cannot open shard: Permission denied (from \"" + pattern + "\")");
     ::chmod(shard1.c_str(), 0644);
   }
@@ -340,9 +299,9 @@ TEST(TarShards, MissingUnreadableAndCorruptShardsFailConstructionNamingTheShard)
                        {"k0000.cls", text("1")},
                        {"k0001.cls", text("2")}};
   make_tar(root / "scattered.tar", root / "staging-scattered", scattered, "gnutar");
-  EXPECT_CONTAINS(message_of([&] { fd::TarShards((root / "scattered.tar").string()); }),
+  EXPECT_CONTAINS(ft::data_error_of([&] { fd::TarShards((root / "scattered.tar").string()); }),
                   (root / "scattered.tar").string() + ": member \"k0000.cls\" at offset ");
-  EXPECT_CONTAINS(message_of([&] { fd::TarShards((root / "scattered.tar").string()); }),
+  EXPECT_CONTAINS(ft::data_error_of([&] { fd::TarShards((root / "scattered.tar").string()); }),
                   ": key \"k0000\" appears again after other keys (first at offset 0): a "
                   "sample's members must be consecutive");
 }
@@ -365,15 +324,16 @@ TEST(TarShards, SamplesWithoutImageOrLabelOrWithABadLabelFailAtRead) {
   ASSERT_EQ(ds.size(), 8u);
   EXPECT_EQ(ds.read(3).label, samples[3].label);
   const std::string t = tar.string();
-  EXPECT_CONTAINS(message_of([&] { ds.read(4); }), t + ": sample \"noimage\" (offset ");
-  EXPECT_CONTAINS(message_of([&] { ds.read(4); }),
+  EXPECT_CONTAINS(ft::data_error_of([&] { ds.read(4); }), t + ": sample \"noimage\" (offset ");
+  EXPECT_CONTAINS(ft::data_error_of([&] { ds.read(4); }),
                   "): no image member (.jpg, .jpeg or .png); its members: .cls .json");
-  EXPECT_CONTAINS(message_of([&] { ds.read(5); }), t + ": sample \"nolabel\" (offset ");
-  EXPECT_CONTAINS(message_of([&] { ds.read(5); }), "no .cls member (the label); its members: .jpg");
-  EXPECT_CONTAINS(message_of([&] { ds.read(6); }),
+  EXPECT_CONTAINS(ft::data_error_of([&] { ds.read(5); }), t + ": sample \"nolabel\" (offset ");
+  EXPECT_CONTAINS(ft::data_error_of([&] { ds.read(5); }),
+                  "no .cls member (the label); its members: .jpg");
+  EXPECT_CONTAINS(ft::data_error_of([&] { ds.read(6); }),
                   t + ": sample \"badlabel\": bad .cls member at offset ");
-  EXPECT_CONTAINS(message_of([&] { ds.read(6); }), "\"cat\\x0a\" is not an integer label");
-  EXPECT_CONTAINS(message_of([&] { ds.read(7); }),
+  EXPECT_CONTAINS(ft::data_error_of([&] { ds.read(6); }), "\"cat\\x0a\" is not an integer label");
+  EXPECT_CONTAINS(ft::data_error_of([&] { ds.read(7); }),
                   t + ": sample \"emptyimage\": the image member \"emptyimage.png\" at offset ");
   EXPECT_EQ(ds.key(6), t + ":badlabel");
 }
