@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU check: the probe's verdict transitions against the real CUDA driver.
+# GPU check: the probe's verdict transitions, the launcher, the loader's device hand-off,
+# forkguard trace and the Python package against the real CUDA driver.
 # Run on a machine with an NVIDIA GPU after `make build`:   tests/gpu/run.sh [build/release]
 # Where there is no GPU it says so and exits 0. `--fake` runs the same checks against the test
 # driver (to check this script itself on a machine without a GPU).
@@ -88,6 +89,31 @@ check "--nproc-per-node gpu --bind-gpus: one GPU each" "$nranks" "$(sort -u <<<"
 out=$("$build/bin/helpers/loader_gpu_check" 2>&1)
 echo "$out" | sed 's/^/    /'
 check "loader device hand-off" ok "$(grep -o '^loader-gpu [a-zA-Z]*' <<<"$out" | cut -d' ' -f2)"
+
+# forkguard trace: a program that initializes CUDA and then forks a child that touches it gets
+# the dirty-fork report naming its init site; with --strict the poisoned child exits 70.
+tf=$build/bin/helpers/trace_fork
+# In a sanitizer build the helper is instrumented and the preloaded library is not.
+export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}verify_asan_link_order=0"
+out=$("$fg" trace -- "$tf" load init fork-touch 2>&1)
+grep -q 'initialize_cuda_in_parent' <<<"$out" && r=named || r="not named: $out"
+check "trace: dirty fork names the init site" named "$r"
+"$fg" trace --strict --quiet -- "$tf" load init fork-touch >/dev/null 2>&1
+check "trace --strict: poisoned child exits 70" 70 "$?"
+out=$("$fg" trace --quiet -- "$tf" load init fork-exec 2>&1 >/dev/null)
+[ -z "$out" ] && r=silent || r="reported: $out"
+check "trace: fork-then-exec is silent" silent "$r"
+
+# The Python package: ImageLoader(device="cuda") batches equal the host's byte for byte, and
+# notebook_launch ranks initialize CUDA after the parent did.
+if [ -d "$build/python/forkguard" ]; then
+  out=$(PYTHONPATH=$build/python /usr/bin/python3 "$(dirname "$0")/python_gpu_check.py" 2>&1)
+  echo "$out" | sed 's/^/    /'
+  check "python: ImageLoader on the GPU, notebook_launch" ok \
+    "$(grep -o '^python-gpu [a-zA-Z]*' <<<"$out" | cut -d' ' -f2)"
+else
+  echo "tests/gpu: no Python module in $build (sanitizer build?): Python checks skipped"
+fi
 
 [ $fail -eq 0 ] && echo "tests/gpu: all checks passed" || echo "tests/gpu: FAILURES"
 exit $fail

@@ -1,0 +1,86 @@
+"""The Python package against a CUDA driver (tests/gpu/run.sh runs it; --fake: the test driver).
+
+1. forkguard.ImageLoader(device="cuda") after this process initialized CUDA: every batch's images
+   and labels are on the device (DLPack device (kDLCUDA, 0)) and, copied back with
+   cuMemcpyDtoH, equal the host loader's batches byte for byte (process workers from the fork
+   server and thread workers).
+2. forkguard.notebook_launch after this process initialized CUDA: every rank's cuInit succeeds.
+Prints "python-gpu ok" or "python-gpu FAIL: ...". Needs PYTHONPATH=BUILD/python.
+Run: /usr/bin/python3 python_gpu_check.py"""
+import ctypes
+import os
+import sys
+import tempfile
+
+import forkguard
+
+DRIVER = os.environ.get("FORKGUARD_CUDA_DRIVER", "libcuda.so.1")
+
+
+def cuda():
+    lib = ctypes.CDLL(DRIVER)
+    assert lib.cuInit(0) == 0, "cuInit failed in the parent"
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    assert lib.cuDeviceGet(ctypes.byref(dev), 0) == 0
+    assert lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0
+    assert lib.cuCtxSetCurrent(ctx) == 0
+    return lib
+
+
+def images(root, n=48):
+    from PIL import Image
+    for i in range(n):
+        d = os.path.join(root, f"class_{i % 3}")
+        os.makedirs(d, exist_ok=True)
+        w, h = 160 + 7 * i, 120 + 5 * i
+        Image.frombytes("RGB", (w, h), bytes((x * 7 + i) % 256 for x in range(w * h * 3))).save(
+            os.path.join(d, f"{i}.jpg"), quality=90)
+
+
+def to_host(lib, t):
+    t.__dlpack__()  # waits for the loader's copy
+    buf = ctypes.create_string_buffer(t.nbytes)
+    lib.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
+    assert lib.cuMemcpyDtoH_v2(buf, t.data_ptr, t.nbytes) == 0, "cuMemcpyDtoH failed"
+    return buf.raw
+
+
+def host_bytes(t):
+    return ctypes.string_at(t.data_ptr, t.nbytes)
+
+
+def rank_init():
+    import ctypes as c
+    import os as o
+    return c.CDLL(o.environ.get("FORKGUARD_CUDA_DRIVER", "libcuda.so.1")).cuInit(0)
+
+
+def main():
+    failures = []
+    lib = cuda()
+    with tempfile.TemporaryDirectory() as root:
+        images(root)
+        for kind in ("thread", "process"):
+            kw = dict(batch_size=16, workers=2, worker_kind=kind, seed=5)
+            host = [(host_bytes(x), host_bytes(y)) for x, y in forkguard.ImageLoader(root, **kw)]
+            dev = forkguard.ImageLoader(root, device="cuda", **kw)
+            got = []
+            for x, y in dev:
+                if x.__dlpack_device__() != (2, 0):
+                    failures.append(f"{kind}: images on {x.__dlpack_device__()}, not (2, 0)")
+                got.append((to_host(lib, x), to_host(lib, y)))
+            dev.close()
+            if got != host:
+                failures.append(f"{kind}: device batches differ from the host batches")
+            print(f"  ImageLoader device='cuda', {kind} workers: {len(got)} batches compared")
+    ranks = forkguard.notebook_launch(rank_init, nproc=2)
+    print(f"  notebook_launch after the parent's cuInit: ranks' cuInit returned {ranks}")
+    if ranks != [0, 0]:
+        failures.append(f"notebook_launch ranks' cuInit returned {ranks}")
+    forkguard.stop_server()
+    print("python-gpu ok" if not failures else "python-gpu FAIL: " + "; ".join(failures))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
