@@ -349,11 +349,12 @@ TEST_F(Trace, ImportTorchPrintsNothingAndExitsZero) {
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(r.out, "");
   EXPECT_EQ(r.err, "");
-  // Without --quiet, the one-line summary alone.
-  auto summary = trace({}, {kPython, "-c", "import torch"});
-  EXPECT_EQ(summary.exit_code, 0) << summary.err;
-  EXPECT_EQ(summary.err,
-            "forkguard trace: nothing to report: no fork after CUDA initialization.\n");
+  // Without --quiet too: Debian's CPU torch never comes near the driver, so there is nothing to
+  // sum up (a program that loads or initializes CUDA gets the one-line summary).
+  auto plain = trace({}, {kPython, "-c", "import torch"});
+  EXPECT_EQ(plain.exit_code, 0) << plain.err;
+  EXPECT_EQ(plain.out, "");
+  EXPECT_EQ(plain.err, "");
 }
 
 }  // namespace

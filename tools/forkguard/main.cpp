@@ -235,7 +235,10 @@ int trace(const TraceFlags& f) {
     options.strict = f.strict;
     options.json_path = f.json;
     auto result = tr::run(options, f.command);
-    if (!f.quiet || result.found()) fmt::print(stderr, "{}\n", result.summary());
+    // A program that never came near CUDA gets no summary at all: there is nothing to sum up.
+    if (result.found() || (!f.quiet && !result.events.empty())) {
+      fmt::print(stderr, "{}\n", result.summary());
+    }
     return result.exit_code;
   } catch (const tr::TraceError& e) {
     fmt::print(stderr, "forkguard trace: {}\n", e.what());
