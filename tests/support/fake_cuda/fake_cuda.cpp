@@ -12,8 +12,11 @@
 //   events are host-backed so copies can be checked byte for byte.
 #include <dlfcn.h>
 #include <pthread.h>
+#include <semaphore.h>
 #include <sys/mman.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <poll.h>
 #include <atomic>
@@ -122,7 +125,12 @@ std::vector<int> visible_devices(int physical) {
   return out;
 }
 
-void* event_handler_thread(void*) {
+// Posts `started` once it runs: cuInit returns only then, as the real driver's threads are up
+// when its cuInit returns. A fork right after cuInit must not catch the thread half-created (its
+// start-up takes locks, a sanitizer runtime's among them, that a forked child would never see
+// released).
+void* event_handler_thread(void* started) {
+  ::sem_post(static_cast<sem_t*>(started));
   while (true) ::poll(nullptr, 0, -1);
   return nullptr;
 }
@@ -181,8 +189,12 @@ CUresult cuInit(unsigned int flags) {
     if (fd < 0) return done("cuInit", CUDA_ERROR_UNKNOWN);
   }
   pthread_t thread;
-  if (pthread_create(&thread, nullptr, event_handler_thread, nullptr) != 0) {
+  static sem_t started;
+  ::sem_init(&started, 0, 0);
+  if (pthread_create(&thread, nullptr, event_handler_thread, &started) != 0) {
     return done("cuInit", CUDA_ERROR_OUT_OF_MEMORY);
+  }
+  while (::sem_wait(&started) != 0 && errno == EINTR) {
   }
   pthread_setname_np(thread, "cuda-EvtHandlr");
   pthread_detach(thread);
