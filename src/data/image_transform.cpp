@@ -107,8 +107,7 @@ void ImageTransform::apply(const Sample& in, std::span<std::byte> out, Rng& rng)
   rgb.resize(static_cast<size_t>(n) * n * 3 + 16);  // normalize_row reads past a row's end
   image::resample(region.rgb.data(), region.width, region.height, region.box, n, n, rgb.data());
   const size_t plane = static_cast<size_t>(n) * n;
-  // Row by row; a flip reads the row backwards. Float outputs go through a per-channel table of
-  // the 256 normalized values (exactly (v / 255 - mean) / std, computed once per call).
+  // Row by row; a flip reads the row backwards.
   if (o.dtype == DType::kUInt8) {
     auto* dst = reinterpret_cast<uint8_t*>(out.data());
     for (int y = 0; y < n; ++y) {
@@ -141,13 +140,13 @@ void ImageTransform::apply(const Sample& in, std::span<std::byte> out, Rng& rng)
     }
     return;
   }
-  float lut[3][256];
-  for (int c = 0; c < 3; ++c) {
-    for (int v = 0; v < 256; ++v) lut[c][v] = static_cast<float>(v) * scale[c] + bias[c];
-  }
+  // float16: a per-channel table of the 256 values, the same floats as float32 rounded to half.
   uint16_t half[3][256];
   for (int c = 0; c < 3; ++c) {
-    for (int v = 0; v < 256; ++v) half[c][v] = to_half(lut[c][v]);
+    for (int v = 0; v < 256; ++v) {
+      const float x = static_cast<float>(v) * scale[c];
+      half[c][v] = to_half(x + bias[c]);
+    }
   }
   auto* dst = reinterpret_cast<uint16_t*>(out.data());
   for (int y = 0; y < n; ++y) {

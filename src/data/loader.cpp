@@ -368,8 +368,6 @@ class LoaderImpl {
   // of the earliest failing part (a worker that found CUDA state before a bad sample).
   static void merge(Pending& p, WorkerEvent ev) {
     auto& r = p.result;
-    r.read_ns += ev.result.read_ns;
-    r.transform_ns += ev.result.transform_ns;
     r.skipped.insert(r.skipped.end(), std::make_move_iterator(ev.result.skipped.begin()),
                      std::make_move_iterator(ev.result.skipped.end()));
     const auto kind = ev.result.kind;

@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "forkguard/trace/trace.hpp"
+#include "launch/child.hpp"
 
 #ifndef FORKGUARD_INSTALL_LIBDIR
 #define FORKGUARD_INSTALL_LIBDIR "lib"
@@ -81,13 +82,6 @@ std::vector<std::string> traced_environment(const std::string& library, const st
   return env;
 }
 
-std::vector<char*> c_strings(std::vector<std::string>& v) {
-  std::vector<char*> out;
-  for (auto& s : v) out.push_back(s.data());
-  out.push_back(nullptr);
-  return out;
-}
-
 // While the command runs, ^C and ^\ are for it (it is in our process group), not for us.
 class IgnoreInterrupts {
  public:
@@ -112,8 +106,8 @@ class IgnoreInterrupts {
 
 int spawn_and_wait(const std::vector<std::string>& command, std::vector<std::string> env) {
   auto args = command;
-  auto cargs = c_strings(args);
-  auto cenv = c_strings(env);
+  auto cargs = launch::detail::c_array(args);
+  auto cenv = launch::detail::c_array(env);
   IgnoreInterrupts ignore;
   // The child gets the signal dispositions we had, not our temporary SIG_IGN.
   posix_spawnattr_t attr;

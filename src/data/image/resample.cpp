@@ -207,9 +207,9 @@ void resample(const uint8_t* src, int w, int h, const Box& box, int out_w, int o
   const size_t row = static_cast<size_t>(out_w) * 3;
   thread_local std::vector<uint8_t> mid;
   mid.resize(static_cast<size_t>(row1 - row0) * row + 16);
-  const uint8_t* end = src + row_bytes * static_cast<size_t>(h);
 #ifdef FORKGUARD_RESAMPLE_X86
   if (avx2) {
+    const uint8_t* end = src + row_bytes * static_cast<size_t>(h);
     // How far past a row's start the vector pass reads; rows for which that is past the end of
     // the image are copied into padded buffers first (the last row or two).
     size_t need = row_bytes;
@@ -243,7 +243,6 @@ void resample(const uint8_t* src, int w, int h, const Box& box, int out_w, int o
     horizontal_scalar(src + static_cast<size_t>(y) * row_bytes, tx, out_w,
                       &mid[static_cast<size_t>(y - row0) * row]);
   }
-  (void)end;
   std::vector<const uint8_t*> rows(static_cast<size_t>(ty.stride));
   for (int y = 0; y < out_h; ++y) {
     const int32_t* k = &ty.fixed[static_cast<size_t>(y) * ty.stride];
