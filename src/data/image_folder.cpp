@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "detail/fd.hpp"
@@ -27,6 +28,76 @@ bool is_image(const fs::path& p) {
                                             ".pgm", ".tif",  ".tiff", ".webp"};
   return std::any_of(std::begin(kExtensions), std::end(kExtensions),
                      [&](const char* e) { return ext == e; });
+}
+
+// A description carries the file list itself when it is small enough for a worker's setup message:
+// the worker then reads exactly the files the loader indexed, without scanning again. Larger lists
+// are scanned again in the worker and checked against the loader's count and digest.
+constexpr size_t kListBudget = size_t(2) << 20;
+
+uint64_t digest_of(const std::vector<ImageFile>& files) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](const void* data, size_t n) {
+    const auto* b = static_cast<const unsigned char*>(data);
+    for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
+  };
+  for (const auto& f : files) {
+    mix(f.path.data(), f.path.size() + 1);  // with the terminating NUL: "ab"+"c" != "a"+"bc"
+    mix(&f.label, sizeof f.label);
+  }
+  return h;
+}
+
+// Adds "count", "digest" and, within the budget, "paths" (relative to `prefix`) and "labels".
+void describe_files(nlohmann::json& params, const std::vector<ImageFile>& files,
+                    const std::string& prefix) {
+  params["count"] = files.size();
+  params["digest"] = fmt::format("{:016x}", digest_of(files));
+  size_t bytes = 0;
+  for (const auto& f : files) {
+    if (f.path.compare(0, prefix.size(), prefix) != 0) return;
+    bytes += f.path.size() - prefix.size() + 24;
+    if (bytes > kListBudget) return;
+  }
+  nlohmann::json paths = nlohmann::json::array(), labels = nlohmann::json::array();
+  for (const auto& f : files) {
+    paths.push_back(f.path.substr(prefix.size()));
+    labels.push_back(f.label);
+  }
+  params["paths"] = std::move(paths);
+  params["labels"] = std::move(labels);
+}
+
+// The files a description lists, or nullopt when it lists none (scan, then check_files()).
+std::optional<std::vector<ImageFile>> described_files(const nlohmann::json& p,
+                                                      const std::string& prefix) {
+  if (!p.contains("paths")) return std::nullopt;
+  const auto& paths = p.at("paths");
+  const auto& labels = p.at("labels");
+  std::vector<ImageFile> files;
+  files.reserve(paths.size());
+  for (size_t i = 0; i < paths.size(); ++i) {
+    files.push_back({prefix + paths[i].get<std::string>(), labels.at(i).get<int64_t>()});
+  }
+  return files;
+}
+
+// A worker's own scan must find what the loader's found, or every index would name another file.
+void check_files(const nlohmann::json& p, const std::vector<ImageFile>& files,
+                 const std::string& what) {
+  if (!p.contains("count")) return;
+  const size_t count = p.at("count");
+  const std::string digest = p.at("digest");
+  if (count != files.size() || digest != fmt::format("{:016x}", digest_of(files))) {
+    throw DataError(fmt::format(
+        "{}: changed since the loader listed it ({} files then, {} now{}): a worker would "
+        "read other files than the loader's indices name",
+        what, count, files.size(), count == files.size() ? ", different names or labels" : ""));
+  }
+}
+
+std::string directory_prefix(const std::string& dir) {
+  return (fs::path(dir) / "").string();
 }
 
 }  // namespace
@@ -102,8 +173,16 @@ ImageFolder::ImageFolder(std::string root) : root_(std::move(root)) {
   if (files_.empty()) throw DataError(fmt::format("{}: no image files under any class", root_));
 }
 
+ImageFolder::ImageFolder(std::string root, std::vector<std::string> classes,
+                         std::vector<ImageFile> files)
+    : root_(std::move(root)), classes_(std::move(classes)) {
+  files_ = std::move(files);
+}
+
 std::optional<Description> ImageFolder::describe() const {
-  return Description{"image_folder", {{"root", root_}}};
+  nlohmann::json p{{"root", root_}, {"classes", classes_}};
+  describe_files(p, files_, directory_prefix(root_));
+  return Description{"image_folder", std::move(p)};
 }
 
 FileList::FileList(std::string list) : list_(std::move(list)) {
@@ -128,15 +207,34 @@ FileList::FileList(std::string list) : list_(std::move(list)) {
   if (files_.empty()) throw DataError(fmt::format("{}: no samples listed", list_));
 }
 
+FileList::FileList(std::string list, std::vector<ImageFile> files) : list_(std::move(list)) {
+  files_ = std::move(files);
+}
+
 std::optional<Description> FileList::describe() const {
-  return Description{"file_list", {{"list", list_}}};
+  nlohmann::json p{{"list", list_}};
+  describe_files(p, files_, "");
+  return Description{"file_list", std::move(p)};
 }
 
 FORKGUARD_REGISTER_DATASET(image_folder, [](const nlohmann::json& p) {
-  return std::make_unique<ImageFolder>(p.at("root").get<std::string>());
+  std::string root = p.at("root");
+  if (auto files = described_files(p, directory_prefix(root))) {
+    return std::make_unique<ImageFolder>(root, p.at("classes").get<std::vector<std::string>>(),
+                                         std::move(*files));
+  }
+  auto scanned = std::make_unique<ImageFolder>(root);
+  check_files(p, scanned->files(), root);
+  return scanned;
 });
 FORKGUARD_REGISTER_DATASET(file_list, [](const nlohmann::json& p) {
-  return std::make_unique<FileList>(p.at("list").get<std::string>());
+  std::string list = p.at("list");
+  if (auto files = described_files(p, "")) {
+    return std::make_unique<FileList>(list, std::move(*files));
+  }
+  auto read = std::make_unique<FileList>(list);
+  check_files(p, read->files(), list);
+  return read;
 });
 
 }  // namespace forkguard::data

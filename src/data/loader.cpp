@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -175,10 +176,10 @@ class LoaderImpl {
   struct Pending {
     enum class State { kIssued, kDone, kFailed, kCopying };
     State state = State::kIssued;
-    int worker = 0;            // the slot's worker (and the batch's, unless it was split)
-    std::vector<int> waiting;  // the workers still filling a part of it
-    size_t failed_first = 0;   // the position of the failing part, once one failed
-    int failed_worker = -1;    // the worker that filled it
+    int worker = 0;              // the slot's worker (and the batch's, unless it was split)
+    std::vector<int> waiting;    // the workers still filling a part of it
+    size_t failed_position = 0;  // the failing sample's position, once a part failed
+    int failed_worker = -1;      // the worker that filled it
     int slot = -1;
     int buffer = -1;
     TaskResult result;
@@ -260,9 +261,11 @@ class LoaderImpl {
       p.worker = w;
       p.slot = slot.id;
       ++flight;
-      // The epoch's first batch is split over every live worker: nothing else is ready to run
-      // in parallel with it, and its latency is the time to the first batch. The bytes are the
-      // same (each sample is a pure function of seed, epoch and index).
+      // The epoch's first batch is shared by every live worker: nothing else is ready to run in
+      // parallel with it, and its latency is the time to the first batch. Each worker claims
+      // one position at a time from the slot's counter, so they finish together however the
+      // samples' costs fall. The bytes are the same (each sample is a pure function of seed,
+      // epoch and index).
       const auto& all = batches_[b];
       std::vector<int> parts;
       if (b == 0 && o_.split_first_batch) {
@@ -273,13 +276,13 @@ class LoaderImpl {
       if (parts.size() < 2 || all.size() < 2 * parts.size()) parts = {w};
       p.waiting = parts;
       pending_[b] = std::move(p);
-      for (size_t k = 0; k < parts.size(); ++k) {
-        const size_t from = all.size() * k / parts.size(), to = all.size() * (k + 1) / parts.size();
-        workers_->submit(parts[k], Task{epoch_, b, slot.id,
-                                        std::vector<size_t>(all.begin() + static_cast<long>(from),
-                                                            all.begin() + static_cast<long>(to)),
-                                        from});
+      const bool shared = parts.size() > 1;
+      if (shared) {
+        std::atomic_ref<uint32_t>(
+            *reinterpret_cast<uint32_t*>(slot.memory.data() + layout_.claim_offset))
+            .store(0, std::memory_order_relaxed);  // published by the submit (a lock, a syscall)
       }
+      for (int part : parts) workers_->submit(part, Task{epoch_, b, slot.id, all, 0, shared});
       ++next_issue_;
     }
   }
@@ -364,8 +367,8 @@ class LoaderImpl {
     }
   }
 
-  // One finished part of a batch into its result: the skipped samples of every part; the failure
-  // of the earliest failing part (a worker that found CUDA state before a bad sample).
+  // One finished part of a batch into its result: the skipped samples of every part; the earliest
+  // failing sample (a worker that found CUDA state before any bad sample).
   static void merge(Pending& p, WorkerEvent ev) {
     auto& r = p.result;
     r.skipped.insert(r.skipped.end(), std::make_move_iterator(ev.result.skipped.begin()),
@@ -374,12 +377,12 @@ class LoaderImpl {
     if (kind == TaskResult::Kind::kOk) return;
     const bool worse = r.kind == TaskResult::Kind::kOk ||
                        (kind == TaskResult::Kind::kCuda && r.kind != TaskResult::Kind::kCuda) ||
-                       (kind == r.kind && ev.first < p.failed_first);
+                       (kind == r.kind && ev.result.position < p.failed_position);
     if (!worse) return;
     auto skipped = std::move(r.skipped);
     r = std::move(ev.result);
     r.skipped = std::move(skipped);
-    p.failed_first = ev.first;
+    p.failed_position = ev.result.position;
     p.failed_worker = ev.worker;
   }
 

@@ -100,7 +100,7 @@ int serve(int sock, const Producer& producer) {
     for (int fd : fds) {
       if (fd >= 0) ::close(fd);
     }
-    if (f.size() != 6 || f[0] != "task") continue;
+    if (f.size() != 7 || f[0] != "task") continue;
     uint64_t idle = static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - idle_from).count());
     const int slot = std::atoi(f[3].c_str());
@@ -111,7 +111,8 @@ int serve(int sock, const Producer& producer) {
       r.message = fmt::format("slot {} was never sent to this worker", slot);
     } else {
       try {
-        r = producer.run(to_u64(f[1]), unpack_indices(f[4]), it->second.data(), to_u64(f[5]));
+        r = producer.run(to_u64(f[1]), unpack_indices(f[4]), it->second.data(), to_u64(f[5]),
+                         f[6] == "1");
       } catch (const std::exception& e) {
         r.kind = TaskResult::Kind::kData;
         r.message = e.what();
@@ -123,7 +124,7 @@ int serve(int sock, const Producer& producer) {
     }
     if (!send_message(sock, {"done", f[2], f[3], std::to_string(static_cast<int>(r.kind)),
                              r.message, u64(r.index), r.key, u64(r.read_ns), u64(r.transform_ns),
-                             u64(idle), skipped.dump(), f[5]})) {
+                             u64(idle), skipped.dump(), u64(r.position)})) {
       // The loader is gone (EPIPE: stop quietly) or the report could not be sent.
       if (errno == EPIPE || errno == ECONNRESET) return 0;
       std::fprintf(stderr, "forkguard: process worker %d cannot report batch %s: %s\n",
@@ -139,7 +140,7 @@ int serve(int sock, const Producer& producer) {
 int worker_entry(int sock) {
   std::vector<std::string> f;
   int fds[kMaxFds];
-  if (!recv_message(sock, f, fds) || f.size() != 2 || f[0] != "setup") return 2;
+  if (!recv_message(sock, f, fds) || f.size() != 3 || f[0] != "setup") return 2;
   std::unique_ptr<Dataset> dataset;
   std::unique_ptr<Transform> transform;
   WorkerSetup setup;
@@ -159,7 +160,7 @@ int worker_entry(int sock) {
     setup.workers = j.at("workers");
     setup.epoch = j.at("epoch");
     setup.worker_init = j.at("worker_init");
-    id = j.at("id");
+    id = std::atoi(f[2].c_str());
     if (transform->output().bytes() != setup.producer.layout.sample_bytes) {
       throw DataError(fmt::format(
           "the rebuilt transform \"{}\" makes {} bytes per sample, the "
@@ -188,8 +189,8 @@ class ProcessWorkers : public Workers {
   ProcessWorkers(const WorkerSetup& setup, bool via_server) : setup_(setup), via_(via_server) {
     procs_.resize(static_cast<size_t>(setup.workers));
     try {
-      nlohmann::json base;
-      if (via_server) base = setup_json();
+      std::string base;  // serialized once: a small dataset's description lists its files
+      if (via_server) base = setup_json().dump();
       for (int w = 0; w < setup.workers; ++w) start(w, base);
       std::string failures;
       for (int w = 0; w < setup.workers; ++w) {
@@ -231,7 +232,7 @@ class ProcessWorkers : public Workers {
     }
     if (!send_message(p.sock.get(),
                       {"task", u64(task.epoch), u64(task.batch), std::to_string(task.slot),
-                       pack_indices(task.indices), u64(task.first)})) {
+                       pack_indices(task.indices), u64(task.first), task.shared ? "1" : "0"})) {
       // A dead worker (EPIPE, ECONNRESET) is reported by wait(); anything else would leave the
       // batch waiting for a task its worker never got.
       if (errno != EPIPE && errno != ECONNRESET) {
@@ -338,7 +339,7 @@ class ProcessWorkers : public Workers {
             {"worker_init", setup_.worker_init}};
   }
 
-  void start(int w, nlohmann::json setup) {
+  void start(int w, const std::string& setup) {
     int sv[2];
     if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) {
       throw SystemError("socketpair for a process worker", errno);
@@ -349,8 +350,15 @@ class ProcessWorkers : public Workers {
     if (via_) {
       p.pid = ForkServer::get()->start_call(kZygoteFunction, theirs.get());
       theirs.reset();
-      setup["id"] = w;
-      send_message(mine.get(), {"setup", setup.dump()});
+      if (!send_message(mine.get(), {"setup", setup, std::to_string(w)})) {
+        const int e = errno;
+        p.sock = std::move(mine);  // closed by stop(): the worker sees EOF and exits
+        p.alive = true;
+        throw DataError(fmt::format(
+            "cannot send process worker {} its setup ({} bytes of dataset and transform "
+            "description; at most {} fit in one message): {}",
+            w, setup.size(), forkguard::detail::kMaxMessage, std::strerror(e)));
+      }
     } else {
       p.pid = guarded_fork(w, theirs.get(), mine.get());
       theirs.reset();
@@ -423,7 +431,7 @@ class ProcessWorkers : public Workers {
     e.result.read_ns = to_u64(f[7]);
     e.result.transform_ns = to_u64(f[8]);
     e.idle_ns = to_u64(f[9]);
-    e.first = to_u64(f[11]);
+    e.result.position = to_u64(f[11]);
     for (const auto& s : nlohmann::json::parse(f[10])) {
       e.result.skipped.push_back({s[0], s[1], s[2], s[3], s[4]});
     }

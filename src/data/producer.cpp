@@ -99,11 +99,17 @@ void Producer::one(uint64_t epoch, size_t index, size_t pos, std::byte* slot, Ta
 }
 
 TaskResult Producer::run(uint64_t epoch, const std::vector<size_t>& indices, std::byte* slot,
-                         size_t first) const {
+                         size_t first, bool shared) const {
   TaskResult r;
   const size_t n = dataset_.size();
+
   try {
-    for (size_t k = 0; k < indices.size(); ++k) {
+    // Shared: claims one position at a time, so the workers finish together however the samples'
+    // costs fall (the counter lives in the slot, visible to threads and processes alike).
+    std::atomic_ref<uint32_t> claim(
+        *reinterpret_cast<uint32_t*>(slot + config_.layout.claim_offset));
+    for (size_t k = shared ? claim.fetch_add(1, std::memory_order_relaxed) : 0; k < indices.size();
+         k = shared ? claim.fetch_add(1, std::memory_order_relaxed) : k + 1) {
       const size_t index = indices[k];
       const size_t pos = first + k;
       try {
@@ -116,6 +122,7 @@ TaskResult Producer::run(uint64_t epoch, const std::vector<size_t>& indices, std
         if (config_.bad_sample == BadSample::kError) {
           r.kind = TaskResult::Kind::kData;
           r.index = index;
+          r.position = pos;
           r.key = dataset_.key(index);
           r.message = fmt::format("sample {} ({}): {}", index, r.key, why);
           return r;
@@ -140,6 +147,7 @@ TaskResult Producer::run(uint64_t epoch, const std::vector<size_t>& indices, std
         if (!replaced) {
           r.kind = TaskResult::Kind::kData;
           r.index = index;
+          r.position = pos;
           r.key = dataset_.key(index);
           r.message = fmt::format("sample {} ({}): {}; and no readable substitute in {} tries",
                                   index, r.key, why, config_.max_substitutes);

@@ -28,6 +28,7 @@ struct TaskResult {
   Kind kind = Kind::kOk;
   std::string message;  // kData / kCuda: what failed, naming the sample
   size_t index = 0;     // the failing sample
+  size_t position = 0;  // and its position in the batch
   std::string key;
   std::vector<SkippedSample> skipped;
   uint64_t read_ns = 0;
@@ -49,9 +50,10 @@ class Producer {
   Producer(const Dataset& dataset, const Transform& transform, ProducerConfig config)
       : dataset_(dataset), transform_(transform), config_(config) {}
 
-  // Fills batch positions first, first + 1, ... of `slot` with the samples `indices`.
+  // Fills batch positions first, first + 1, ... of `slot` with the samples `indices`; or, when
+  // `shared`, the positions it claims from the slot's counter (other workers claim the rest).
   TaskResult run(uint64_t epoch, const std::vector<size_t>& indices, std::byte* slot,
-                 size_t first = 0) const;
+                 size_t first = 0, bool shared = false) const;
   const ProducerConfig& config() const { return config_; }
 
  private:

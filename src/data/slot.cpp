@@ -25,8 +25,8 @@ SlotLayout SlotLayout::make(size_t batch_size, size_t sample_bytes, size_t key_b
   l.key_bytes = key_bytes;
   l.labels_offset = round_up(batch_size * sample_bytes, 64);
   l.keys_offset = round_up(l.labels_offset + batch_size * sizeof(int64_t), 64);
-  l.total = round_up(l.keys_offset + batch_size * key_bytes,
-                     static_cast<size_t>(::sysconf(_SC_PAGESIZE)));
+  l.claim_offset = round_up(l.keys_offset + batch_size * key_bytes, 64);
+  l.total = round_up(l.claim_offset + 64, static_cast<size_t>(::sysconf(_SC_PAGESIZE)));
   return l;
 }
 

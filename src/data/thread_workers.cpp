@@ -114,10 +114,9 @@ class ThreadWorkers : public Workers {
       e.worker = w;
       e.batch = task.batch;
       e.slot = task.slot;
-      e.first = task.first;
       e.idle_ns = idle;
       try {
-        e.result = producer_.run(task.epoch, task.indices, base, task.first);
+        e.result = producer_.run(task.epoch, task.indices, base, task.first, task.shared);
       } catch (const std::exception& ex) {  // not a sample's fault: report it as the batch's
         e.result.kind = TaskResult::Kind::kData;
         e.result.message = ex.what();

@@ -26,6 +26,9 @@ struct Task {
   int slot = 0;
   std::vector<size_t> indices;
   size_t first = 0;  // the batch position of indices[0] (a chunk of a batch split over workers)
+  // The batch is shared by several workers: `indices` is all of it, and each worker claims its
+  // next position from the slot's counter (set to 0 by the loader) until none is left.
+  bool shared = false;
 };
 
 struct WorkerEvent {
@@ -35,7 +38,6 @@ struct WorkerEvent {
   // kDone
   size_t batch = 0;
   int slot = 0;
-  size_t first = 0;  // the task's first position in the batch
   TaskResult result;
   uint64_t idle_ns = 0;  // the worker's wait for this task
   // kDied: "was killed by signal 9 (SIGKILL)", "exited with code 3", or the reason it stopped

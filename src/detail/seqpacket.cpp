@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 
 namespace forkguard::detail {
 
@@ -61,8 +62,11 @@ bool send_message(int sock, const std::vector<std::string>& fields, const int* f
 }
 
 bool recv_message(int sock, std::vector<std::string>& fields, int fds[kMaxFds], int flags) {
-  thread_local std::vector<char> buf(kMaxMessage);  // one per thread, not one per message
-  iovec iov{buf.data(), buf.size()};
+  // One per thread, not one per message, and never cleared: zeroing 4 MiB faults in a thousand
+  // pages (3 ms on a VM) before a fresh process's first message; the kernel writes only what
+  // arrives.
+  thread_local std::unique_ptr<char[]> buf(new char[kMaxMessage]);
+  iovec iov{buf.get(), kMaxMessage};
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
@@ -97,7 +101,7 @@ bool recv_message(int sock, std::vector<std::string>& fields, int fds[kMaxFds], 
       std::memcpy(fds, CMSG_DATA(c), sizeof(int) * std::min<size_t>(count, kMaxFds));
     }
   }
-  fields = decode(buf.data(), static_cast<size_t>(n));
+  fields = decode(buf.get(), static_cast<size_t>(n));
   return true;
 }
 

@@ -1,5 +1,6 @@
 #include "forkguard/data/image_folder.hpp"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -46,6 +47,42 @@ TEST(ImageFolder, ClassesAndFilesAreOrderedAsTorchvisionDoes) {
   EXPECT_EQ(s.key, ds.key(2));
   auto rebuilt = fd::make_dataset(*ds.describe());
   EXPECT_EQ(rebuilt->key(3), ds.key(3));
+}
+
+// A worker rebuilds the dataset from its description: a small one carries its file list (the
+// worker reads exactly the loader's files, without a scan); a large one is scanned again and must
+// match what the loader found, or the rebuild fails naming the root.
+TEST(ImageFolder, DescriptionCarriesTheFilesOrChecksTheRescan) {
+  forkguard::testing::TempDir dir;
+  fs::path root = fs::path(dir.path()) / "train";
+  for (int i = 0; i < 5; ++i) write(root / (i < 3 ? "cat" : "dog") / fmt::format("{}.jpg", i), "x");
+  fd::ImageFolder ds(root.string());
+  auto d = *ds.describe();
+  ASSERT_TRUE(d.params.contains("paths"));
+  fs::remove(root / "cat" / "1.jpg");  // after the loader's scan: the list still names it
+  write(root / "dog" / "9.jpg", "x");
+  auto rebuilt = fd::make_dataset(d);
+  ASSERT_EQ(rebuilt->size(), 5u);
+  for (size_t i = 0; i < 5; ++i) EXPECT_EQ(rebuilt->key(i), ds.key(i));
+  EXPECT_EQ(dynamic_cast<fd::ImageFolder&>(*rebuilt).classes(), ds.classes());
+  auto s = rebuilt->read(4);
+  EXPECT_EQ(s.label, 1);
+  // Without the list (as for a list over the size budget): the rescan finds 5 other files.
+  d.params.erase("paths");
+  d.params.erase("labels");
+  try {
+    fd::make_dataset(d);
+    ADD_FAILURE() << "a changed tree was accepted";
+  } catch (const fd::DataError& e) {
+    EXPECT_NE(std::string(e.what()).find(root.string() + ": changed since the loader listed it"),
+              std::string::npos)
+        << e.what();
+  }
+  fd::ImageFolder now(root.string());
+  auto same = *now.describe();
+  same.params.erase("paths");
+  same.params.erase("labels");
+  EXPECT_EQ(fd::make_dataset(same)->size(), 5u);  // unchanged since: the rescan is accepted
 }
 
 TEST(ImageFolder, BadRootsAndFilesAreNamed) {

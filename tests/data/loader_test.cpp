@@ -8,8 +8,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <set>
 #include <thread>
 
@@ -36,7 +38,8 @@ FORKGUARD_REGISTER_DATASET(test_flaky, [](const nlohmann::json& p) {
 });
 FORKGUARD_REGISTER_TRANSFORM(test_noise, [](const nlohmann::json& p) {
   return std::make_unique<NoiseTransform>(NoiseOptions{
-      p.at("bytes"), p.at("sleep_ms"), p.at("cuda_at"), p.at("driver").get<std::string>()});
+      p.at("bytes"), p.at("sleep_ms"), p.at("cuda_at"), p.at("driver").get<std::string>(),
+      p.at("slow_at"), p.at("slow_ms"), p.at("trace").get<std::string>()});
 });
 
 namespace {
@@ -318,6 +321,40 @@ TEST(Loader, FirstBatchSplitOverWorkersReportsTheEarliestBadSampleAndKeepsTheByt
     EXPECT_EQ(skips[0], (std::vector<std::pair<size_t, size_t>>{{3, 3}, {12, 12}})) << k.name;
     EXPECT_EQ(skips[0], skips[1]) << k.name;
     EXPECT_EQ(hashes[0], hashes[1]) << k.name;
+  }
+}
+
+// The first batch's workers claim its samples one at a time: one slow sample holds up only the
+// worker that took it, the others take the rest (fixed halves would leave half the batch behind
+// the slow sample).
+TEST(Loader, FirstBatchWorkersTakeTheSamplesASlowOneLeaves) {
+  for (const auto& k : {kKinds[2], kKinds[5], kKinds[6]}) {
+    const std::string trace = ::testing::TempDir() + "/first-batch-trace";
+    std::remove(trace.c_str());
+    NoiseOptions n{.slow_at = 0, .slow_ms = 600, .trace = trace};
+    n.bytes = kBytes;
+    fd::Loader loader(dataset(128), std::make_shared<NoiseTransform>(n),
+                      with(k, {.batch_size = 64}));
+    auto b = loader.next();
+    ASSERT_TRUE(b);
+    ASSERT_EQ(b->number(), 0u);
+    std::set<std::string> first;
+    for (size_t i = 0; i < b->size(); ++i) first.insert(std::string(b->key(i)));
+    std::map<std::string, std::string> who;  // key -> thread, for the first batch's samples
+    std::ifstream in(trace);
+    for (std::string key, tid; in >> key >> tid;) {
+      if (first.count(key) != 0) {
+        EXPECT_TRUE(who.emplace(key, tid).second) << key << " twice";
+      }
+    }
+    ASSERT_EQ(who.size(), 64u) << k.name;
+    std::map<std::string, int> count;
+    for (const auto& [key, tid] : who) ++count[tid];
+    ASSERT_EQ(count.size(), 2u) << k.name;
+    const std::string slow = who.at(std::string(b->key(0)));
+    EXPECT_LT(count[slow], 16) << k.name << ": the worker with the slow sample filled "
+                               << count[slow] << " of 64";
+    std::remove(trace.c_str());
   }
 }
 

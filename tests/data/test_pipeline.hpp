@@ -50,6 +50,9 @@ struct NoiseOptions {
   int sleep_ms = 0;      // per sample: a slow transform
   long cuda_at = -1;     // at this sample index, dlopen `driver` and cuInit
   std::string driver{};  // the test driver's path
+  long slow_at = -1;     // this sample index sleeps slow_ms more
+  int slow_ms = 0;
+  std::string trace{};  // a file each sample appends "<key> <thread id>" to: who filled it
 };
 
 // Random per (seed, epoch, index): XORs the bytes with the sample's random stream and reverses
@@ -63,6 +66,18 @@ class NoiseTransform : public fd::Transform {
   }
   void apply(const fd::Sample& in, std::span<std::byte> out, fd::Rng& rng) const override {
     if (o_.sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(o_.sleep_ms));
+    if (o_.slow_at >= 0 &&
+        in.key == fd::SyntheticDataset({}).key(static_cast<size_t>(o_.slow_at))) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(o_.slow_ms));
+    }
+    if (!o_.trace.empty()) {  // one O_APPEND write per line: lines never interleave
+      std::string line = in.key + " " + std::to_string(::gettid()) + "\n";
+      int fd = ::open(o_.trace.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600);
+      if (fd < 0 || ::write(fd, line.data(), line.size()) != static_cast<ssize_t>(line.size())) {
+        throw std::runtime_error("cannot write the trace " + o_.trace);
+      }
+      ::close(fd);
+    }
     if (o_.cuda_at >= 0 &&
         in.key == fd::SyntheticDataset({}).key(static_cast<size_t>(o_.cuda_at))) {
       void* h = ::dlopen(o_.driver.c_str(), RTLD_NOW | RTLD_GLOBAL);
@@ -85,7 +100,10 @@ class NoiseTransform : public fd::Transform {
                            {{"bytes", o_.bytes},
                             {"sleep_ms", o_.sleep_ms},
                             {"cuda_at", o_.cuda_at},
-                            {"driver", o_.driver}}};
+                            {"driver", o_.driver},
+                            {"slow_at", o_.slow_at},
+                            {"slow_ms", o_.slow_ms},
+                            {"trace", o_.trace}}};
   }
 
  private:

@@ -8,8 +8,11 @@
 // (.jpg .jpeg .png .ppm .bmp .pgm .tif .tiff .webp, any case), sorted by directory then name.
 // FileList: one "path label" per line, paths relative to the list's directory unless absolute;
 // blank lines and lines starting with '#' are ignored. read() returns the file's bytes; the key is
-// its path. Both describe() themselves, so fork-server workers rebuild them (the scan happens
-// again there; it is deterministic for an unchanged tree).
+// its path. Both describe() themselves, so fork-server workers rebuild them: a description holds
+// the file list itself when it is under 2 MiB (about 80 000 files of ImageFolder), so the worker
+// reads exactly the loader's files without scanning; a longer list is scanned again in the
+// worker and checked against the loader's count and digest (a tree that changed in between is
+// an error, not samples silently swapped).
 //
 // Errors (DataError, naming the path): a missing or unreadable root or list, a root without
 // class directories or without images, a malformed list line; at read(): an unreadable or
@@ -44,6 +47,8 @@ class ImageFolder : public FileDataset {
   explicit ImageFolder(std::string root);
   const std::vector<std::string>& classes() const { return classes_; }
   std::optional<Description> describe() const override;
+  // From a description's list, no scan (the registered factory uses it).
+  ImageFolder(std::string root, std::vector<std::string> classes, std::vector<ImageFile> files);
 
  private:
   std::string root_;
@@ -54,6 +59,8 @@ class FileList : public FileDataset {
  public:
   explicit FileList(std::string list);
   std::optional<Description> describe() const override;
+  // From a description's list, without reading the list file (the registered factory uses it).
+  FileList(std::string list, std::vector<ImageFile> files);
 
  private:
   std::string list_;
