@@ -108,35 +108,58 @@ void vertical_scalar(const uint8_t* const* rows, const int32_t* k, int n, size_t
 // The same integer arithmetic as the portable passes (int16 weights, int32 sums, the same
 // rounding), so the output is bit-identical: pmaddwd multiplies two taps at a time.
 
+// Pairs of taps' weights as the vector kernels multiply them: the int16 pair (w[j], w[j+1]) in
+// each int32 lane. Horizontal: lanes 0-2 and 4-6 (r, g, b of two rows; lanes 3 and 7 zero).
+struct alignas(32) WeightPair {
+  int32_t v[8];
+};
+
+int32_t pair_of(const int16_t* w) {
+  int32_t pair;
+  std::memcpy(&pair, w, 4);
+  return pair;
+}
+
 // Four rows at a time, with the same taps: two rows per 256-bit register (one per 128-bit lane),
-// two registers, so the four sums of an output pixel are independent chains. Per pair of taps a
-// lane holds [r0 r1 g0 g1 b0 b1 0 0] as int16 and pmaddwd with [w0 w1] gives [r g b 0] as int32.
-// Reads up to 16 bytes from the first byte of each pair of taps: the caller pads the rows for
-// which that is past the end of the image.
+// two registers, so the four sums of an output pixel are independent chains. One 16-byte load per
+// row covers four taps: two shuffles spread taps (0, 1) and (2, 3) of RGB into int16 pairs
+// [r0 r1 g0 g1 b0 b1 0 0] and pmaddwd with [w0 w1] gives [r g b 0] as int32. `w` holds
+// tx.stride16 / 2 WeightPairs per output pixel. Reads up to 16 bytes from the first byte of each
+// group of four taps: the caller pads the rows for which that is past the end of the image. Writes
+// 4 bytes per pixel (the 4th is the next pixel's, written next): each output row needs one byte
+// more than its pixels.
 __attribute__((target("avx2"))) void horizontal4_avx2(const uint8_t* const in[4], const Taps& tx,
-                                                      int out_w, uint8_t* const out[4]) {
-  const __m256i shuffle =
-      _mm256_setr_epi8(0, -1, 3, -1, 1, -1, 4, -1, 2, -1, 5, -1, -1, -1, -1, -1, 0, -1, 3, -1, 1,
-                       -1, 4, -1, 2, -1, 5, -1, -1, -1, -1, -1);
+                                                      const WeightPair* w, int out_w,
+                                                      uint8_t* const out[4]) {
+  const __m256i taps01 = _mm256_setr_epi8(0, -1, 3, -1, 1, -1, 4, -1, 2, -1, 5, -1, -1, -1, -1, -1,
+                                          0, -1, 3, -1, 1, -1, 4, -1, 2, -1, 5, -1, -1, -1, -1, -1);
+  const __m256i taps23 =
+      _mm256_setr_epi8(6, -1, 9, -1, 7, -1, 10, -1, 8, -1, 11, -1, -1, -1, -1, -1, 6, -1, 9, -1, 7,
+                       -1, 10, -1, 8, -1, 11, -1, -1, -1, -1, -1);
   const __m256i round = _mm256_set1_epi32(1 << (kBits - 1));
-  const __m256i keep_rgb = _mm256_setr_epi32(-1, -1, -1, 0, -1, -1, -1, 0);
+  const size_t pairs = static_cast<size_t>(tx.stride16) / 2;
+  // Locals: the byte stores below may alias anything, so members would be reloaded per pixel.
+  const int* const count = tx.count.data();
+  const int* const first = tx.first.data();
+  const uint8_t *const in0 = in[0], *const in1 = in[1], *const in2 = in[2], *const in3 = in[3];
+  uint8_t *const out0 = out[0], *const out1 = out[1], *const out2 = out[2], *const out3 = out[3];
   for (int x = 0; x < out_w; ++x) {
     const size_t xs = static_cast<size_t>(x);
-    const int n = tx.count[xs];
-    const size_t off = static_cast<size_t>(tx.first[xs]) * 3;
-    const int16_t* w = &tx.w16[xs * static_cast<size_t>(tx.stride16)];
+    const int n = count[xs];
+    const size_t off = static_cast<size_t>(first[xs]) * 3;
+    const auto* wv = reinterpret_cast<const __m256i*>(w + xs * pairs);
     __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
-    for (int j = 0; j < n; j += 2) {
-      int32_t pair;
-      std::memcpy(&pair, w + j, 4);
-      const __m256i wv = _mm256_and_si256(_mm256_set1_epi32(pair), keep_rgb);
+    for (int j = 0; j < n; j += 4, wv += 2) {
       const size_t o = off + 3 * static_cast<size_t>(j);
-      const __m256i pa = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(in[1] + o),
-                                             reinterpret_cast<const __m128i*>(in[0] + o));
-      const __m256i pb = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(in[3] + o),
-                                             reinterpret_cast<const __m128i*>(in[2] + o));
-      a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_shuffle_epi8(pa, shuffle), wv));
-      b = _mm256_add_epi32(b, _mm256_madd_epi16(_mm256_shuffle_epi8(pb, shuffle), wv));
+      const __m256i pa = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(in1 + o),
+                                             reinterpret_cast<const __m128i*>(in0 + o));
+      const __m256i pb = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(in3 + o),
+                                             reinterpret_cast<const __m128i*>(in2 + o));
+      const __m256i w01 = _mm256_load_si256(wv), w23 = _mm256_load_si256(wv + 1);
+      a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_shuffle_epi8(pa, taps01), w01));
+      b = _mm256_add_epi32(b, _mm256_madd_epi16(_mm256_shuffle_epi8(pb, taps01), w01));
+      a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_shuffle_epi8(pa, taps23), w23));
+      b = _mm256_add_epi32(b, _mm256_madd_epi16(_mm256_shuffle_epi8(pb, taps23), w23));
     }
     a = _mm256_srai_epi32(_mm256_add_epi32(a, round), kBits);
     b = _mm256_srai_epi32(_mm256_add_epi32(b, round), kBits);
@@ -144,42 +167,67 @@ __attribute__((target("avx2"))) void horizontal4_avx2(const uint8_t* const in[4]
     const __m256i p = _mm256_packs_epi32(a, b);
     const __m256i u = _mm256_packus_epi16(p, p);
     const __m128i lo = _mm256_castsi256_si128(u), hi = _mm256_extracti128_si256(u, 1);
-    // 4 bytes stored per row, the 4th overwritten by the next pixel; the last pixel's 3 only (the
-    // next row's first pixel is already written).
-    const int32_t v[4] = {_mm_cvtsi128_si32(lo), _mm_cvtsi128_si32(hi), _mm_extract_epi32(lo, 1),
-                          _mm_extract_epi32(hi, 1)};
-    if (x + 1 < out_w) {
-      for (int r = 0; r < 4; ++r) std::memcpy(out[r] + 3 * xs, &v[r], 4);
-    } else {
-      for (int r = 0; r < 4; ++r) std::memcpy(out[r] + 3 * xs, &v[r], 3);
-    }
+    const int32_t v0 = _mm_cvtsi128_si32(lo), v1 = _mm_cvtsi128_si32(hi);
+    const int32_t v2 = _mm_extract_epi32(lo, 1), v3 = _mm_extract_epi32(hi, 1);
+    std::memcpy(out0 + 3 * xs, &v0, 4);
+    std::memcpy(out1 + 3 * xs, &v1, 4);
+    std::memcpy(out2 + 3 * xs, &v2, 4);
+    std::memcpy(out3 + 3 * xs, &v3, 4);
   }
 }
 
-__attribute__((target("avx2"))) void vertical_avx2(const uint8_t* const* rows, const int32_t* k,
-                                                   int n, size_t len, uint8_t* out) {
+// 16 rounded sums to 16 bytes. Within each 128-bit lane: lo holds elements 0-3 (8-11), hi 4-7
+// (12-15); the packs restore the order, the permute gathers the two lanes' bytes.
+__attribute__((target("avx2"))) inline __m128i vertical_finish(__m256i lo, __m256i hi) {
   const __m256i round = _mm256_set1_epi32(1 << (kBits - 1));
+  lo = _mm256_srai_epi32(_mm256_add_epi32(lo, round), kBits);
+  hi = _mm256_srai_epi32(_mm256_add_epi32(hi, round), kBits);
+  const __m256i w16 = _mm256_packs_epi32(lo, hi);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi16(w16, w16), 0x08));
+}
+
+// One output row from n input rows, 32 bytes at a time: two rows interleaved per pmaddwd, the
+// weight pairs `w` (all eight lanes) computed once per output row.
+__attribute__((target("avx2"))) void vertical_avx2(const uint8_t* const* rows, const int32_t* k,
+                                                   const WeightPair* w, int n, size_t len,
+                                                   uint8_t* out) {
+  const auto* wv = reinterpret_cast<const __m256i*>(w);
+
   size_t j = 0;
-  for (; j + 16 <= len; j += 16) {
-    __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+  for (; j + 32 <= len; j += 32) {
+    __m256i lo0 = _mm256_setzero_si256(), hi0 = lo0, lo1 = lo0, hi1 = lo0;
     for (int i = 0; i < n; i += 2) {
-      const bool pair = i + 1 < n;
+      const uint8_t* r0 = rows[i] + j;
+      const uint8_t* r1 = rows[i + 1 < n ? i + 1 : i] + j;  // an odd last row: weight 0
+      const __m256i wi = _mm256_load_si256(wv + i / 2);
+      const __m256i a0 =
+          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r0)));
+      const __m256i b0 =
+          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r1)));
+      const __m256i a1 =
+          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r0 + 16)));
+      const __m256i b1 =
+          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r1 + 16)));
+      lo0 = _mm256_add_epi32(lo0, _mm256_madd_epi16(_mm256_unpacklo_epi16(a0, b0), wi));
+      hi0 = _mm256_add_epi32(hi0, _mm256_madd_epi16(_mm256_unpackhi_epi16(a0, b0), wi));
+      lo1 = _mm256_add_epi32(lo1, _mm256_madd_epi16(_mm256_unpacklo_epi16(a1, b1), wi));
+      hi1 = _mm256_add_epi32(hi1, _mm256_madd_epi16(_mm256_unpackhi_epi16(a1, b1), wi));
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), vertical_finish(lo0, hi0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j + 16), vertical_finish(lo1, hi1));
+  }
+  for (; j + 16 <= len; j += 16) {
+    __m256i lo = _mm256_setzero_si256(), hi = lo;
+    for (int i = 0; i < n; i += 2) {
+      const __m256i wi = _mm256_load_si256(wv + i / 2);
       const __m256i a =
           _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i] + j)));
       const __m256i b = _mm256_cvtepu8_epi16(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[pair ? i + 1 : i] + j)));
-      const int32_t w = (k[i] & 0xffff) | (pair ? static_cast<int32_t>(k[i + 1] << 16) : 0);
-      const __m256i wv = _mm256_set1_epi32(w);
-      lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_unpacklo_epi16(a, b), wv));
-      hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_unpackhi_epi16(a, b), wv));
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i + 1 < n ? i + 1 : i] + j)));
+      lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_unpacklo_epi16(a, b), wi));
+      hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_unpackhi_epi16(a, b), wi));
     }
-    lo = _mm256_srai_epi32(_mm256_add_epi32(lo, round), kBits);
-    hi = _mm256_srai_epi32(_mm256_add_epi32(hi, round), kBits);
-    // Within each 128-bit lane: lo holds elements 0-3 (8-11), hi 4-7 (12-15); the packs restore
-    // the order, the permute gathers the two lanes' bytes.
-    const __m256i w16 = _mm256_packs_epi32(lo, hi);
-    const __m256i b8 = _mm256_permute4x64_epi64(_mm256_packus_epi16(w16, w16), 0x08);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm256_castsi256_si128(b8));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), vertical_finish(lo, hi));
   }
   vertical_scalar(rows, k, n, j, len, out);
 }
@@ -205,8 +253,9 @@ void resample(const uint8_t* src, int w, int h, const Box& box, int out_w, int o
   }
   const size_t row_bytes = static_cast<size_t>(w) * 3;
   const size_t row = static_cast<size_t>(out_w) * 3;
+  const size_t mid_row = row + 1;  // the vector pass writes a byte past each row
   thread_local std::vector<uint8_t> mid;
-  mid.resize(static_cast<size_t>(row1 - row0) * row + 16);
+  mid.resize(static_cast<size_t>(row1 - row0) * mid_row + 16);
 #ifdef FORKGUARD_RESAMPLE_X86
   if (avx2) {
     const uint8_t* end = src + row_bytes * static_cast<size_t>(h);
@@ -220,6 +269,13 @@ void resample(const uint8_t* src, int w, int h, const Box& box, int out_w, int o
     thread_local std::vector<uint8_t> padded, scratch;
     scratch.resize(row + 16);
     padded.resize(4 * need);
+    const size_t pairs = static_cast<size_t>(tx.stride16) / 2;
+    thread_local std::vector<WeightPair> hw;
+    hw.resize(static_cast<size_t>(out_w) * pairs);
+    for (size_t i = 0; i < hw.size(); ++i) {
+      const int32_t v = pair_of(&tx.w16[2 * i]);  // pairs are consecutive: stride16 is even
+      hw[i] = WeightPair{{v, v, v, 0, v, v, v, 0}};
+    }
     for (int y = row0; y < row1; y += 4) {
       const uint8_t* in[4];
       uint8_t* out[4];
@@ -227,7 +283,7 @@ void resample(const uint8_t* src, int w, int h, const Box& box, int out_w, int o
       for (int i = 0; i < 4; ++i) {
         const int yy = std::min(y + i, row1 - 1);  // past the end: the last row again, discarded
         in[i] = src + static_cast<size_t>(yy) * row_bytes;
-        out[i] = y + i < row1 ? &mid[static_cast<size_t>(y + i - row0) * row] : scratch.data();
+        out[i] = y + i < row1 ? &mid[static_cast<size_t>(y + i - row0) * mid_row] : scratch.data();
         if (in[i] + need > end) {
           uint8_t* copy = padded.data() + static_cast<size_t>(pads++) * need;
           std::memset(copy + row_bytes, 0, need - row_bytes);
@@ -235,26 +291,37 @@ void resample(const uint8_t* src, int w, int h, const Box& box, int out_w, int o
           in[i] = copy;
         }
       }
-      horizontal4_avx2(in, tx, out_w, out);
+      horizontal4_avx2(in, tx, hw.data(), out_w, out);
     }
   }
 #endif
   for (int y = row0; !avx2 && y < row1; ++y) {
     horizontal_scalar(src + static_cast<size_t>(y) * row_bytes, tx, out_w,
-                      &mid[static_cast<size_t>(y - row0) * row]);
+                      &mid[static_cast<size_t>(y - row0) * mid_row]);
   }
   std::vector<const uint8_t*> rows(static_cast<size_t>(ty.stride));
+#ifdef FORKGUARD_RESAMPLE_X86
+  const size_t vpairs = static_cast<size_t>(ty.stride16) / 2;
+  thread_local std::vector<WeightPair> vw;
+  if (avx2) {
+    vw.resize(static_cast<size_t>(out_h) * vpairs);
+    for (size_t i = 0; i < vw.size(); ++i) {
+      const int32_t v = pair_of(&ty.w16[2 * i]);
+      vw[i] = WeightPair{{v, v, v, v, v, v, v, v}};
+    }
+  }
+#endif
   for (int y = 0; y < out_h; ++y) {
     const int32_t* k = &ty.fixed[static_cast<size_t>(y) * ty.stride];
     const int first = ty.first[static_cast<size_t>(y)];
     const int n = ty.count[static_cast<size_t>(y)];
     for (int i = 0; i < n; ++i) {
-      rows[static_cast<size_t>(i)] = &mid[static_cast<size_t>(first + i - row0) * row];
+      rows[static_cast<size_t>(i)] = &mid[static_cast<size_t>(first + i - row0) * mid_row];
     }
     uint8_t* out = dst + static_cast<size_t>(y) * row;
 #ifdef FORKGUARD_RESAMPLE_X86
     if (avx2) {
-      vertical_avx2(rows.data(), k, n, row, out);
+      vertical_avx2(rows.data(), k, &vw[static_cast<size_t>(y) * vpairs], n, row, out);
       continue;
     }
 #endif
