@@ -120,52 +120,82 @@ int32_t pair_of(const int16_t* w) {
   return pair;
 }
 
-// Four rows at a time, with the same taps: two rows per 256-bit register (one per 128-bit lane),
-// two registers, so the four sums of an output pixel are independent chains. One 16-byte load per
-// row covers four taps: two shuffles spread taps (0, 1) and (2, 3) of RGB into int16 pairs
-// [r0 r1 g0 g1 b0 b1 0 0] and pmaddwd with [w0 w1] gives [r g b 0] as int32. `w` holds
-// tx.stride16 / 2 WeightPairs per output pixel. Reads up to 16 bytes from the first byte of each
-// group of four taps: the caller pads the rows for which that is past the end of the image. Writes
-// 4 bytes per pixel (the 4th is the next pixel's, written next): each output row needs one byte
-// more than its pixels.
-__attribute__((target("avx2"))) void horizontal4_avx2(const uint8_t* const in[4], const Taps& tx,
-                                                      const WeightPair* w, int out_w,
-                                                      uint8_t* const out[4]) {
+// One output pixel of four rows: per 128-bit lane of `a` row 0 (lane 0) and row 1 (lane 1), of
+// `b` rows 2 and 3, the sums [r g b 0] as int32, rounded and shifted. One 16-byte load per row
+// covers four taps: two shuffles spread taps (0, 1) and (2, 3) of RGB into int16 pairs
+// [r0 r1 g0 g1 b0 b1 0 0] and pmaddwd with the weight pair [w0 w1] gives [r g b 0].
+struct Rows4 {
+  const uint8_t *r0, *r1, *r2, *r3;
+};
+
+__attribute__((target("avx2"), always_inline)) inline void pixel4_avx2(const Rows4& in, size_t off,
+                                                                       int n, const __m256i* wv,
+                                                                       __m256i& a, __m256i& b) {
   const __m256i taps01 = _mm256_setr_epi8(0, -1, 3, -1, 1, -1, 4, -1, 2, -1, 5, -1, -1, -1, -1, -1,
                                           0, -1, 3, -1, 1, -1, 4, -1, 2, -1, 5, -1, -1, -1, -1, -1);
   const __m256i taps23 =
       _mm256_setr_epi8(6, -1, 9, -1, 7, -1, 10, -1, 8, -1, 11, -1, -1, -1, -1, -1, 6, -1, 9, -1, 7,
                        -1, 10, -1, 8, -1, 11, -1, -1, -1, -1, -1);
+  a = _mm256_setzero_si256();
+  b = _mm256_setzero_si256();
+  for (int j = 0; j < n; j += 4, wv += 2) {
+    const size_t o = off + 3 * static_cast<size_t>(j);
+    const __m256i pa = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(in.r1 + o),
+                                           reinterpret_cast<const __m128i*>(in.r0 + o));
+    const __m256i pb = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(in.r3 + o),
+                                           reinterpret_cast<const __m128i*>(in.r2 + o));
+    const __m256i w01 = _mm256_load_si256(wv), w23 = _mm256_load_si256(wv + 1);
+    a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_shuffle_epi8(pa, taps01), w01));
+    b = _mm256_add_epi32(b, _mm256_madd_epi16(_mm256_shuffle_epi8(pb, taps01), w01));
+    a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_shuffle_epi8(pa, taps23), w23));
+    b = _mm256_add_epi32(b, _mm256_madd_epi16(_mm256_shuffle_epi8(pb, taps23), w23));
+  }
   const __m256i round = _mm256_set1_epi32(1 << (kBits - 1));
+  a = _mm256_srai_epi32(_mm256_add_epi32(a, round), kBits);
+  b = _mm256_srai_epi32(_mm256_add_epi32(b, round), kBits);
+}
+
+// Four rows at a time, with the same taps (two rows per 256-bit register, one per 128-bit lane:
+// the four sums of a pixel are independent chains), two pixels per step. `w` holds
+// tx.stride16 / 2 WeightPairs per output pixel. Reads up to 16 bytes from the first byte of each
+// group of four taps: the caller pads the rows for which that is past the end of the image.
+// Writes 8 bytes per two pixels (the last 2 belong to the next pixel, written next): each output
+// row needs two bytes more than its pixels.
+__attribute__((target("avx2"))) void horizontal4_avx2(const uint8_t* const in[4], const Taps& tx,
+                                                      const WeightPair* w, int out_w,
+                                                      uint8_t* const out[4]) {
+  // [r g b 0 r g b 0] of two pixels -> [r g b r g b], per 8 bytes of each lane.
+  const __m256i compact = _mm256_setr_epi8(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1,
+                                           0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1);
   const size_t pairs = static_cast<size_t>(tx.stride16) / 2;
   // Locals: the byte stores below may alias anything, so members would be reloaded per pixel.
   const int* const count = tx.count.data();
   const int* const first = tx.first.data();
-  const uint8_t *const in0 = in[0], *const in1 = in[1], *const in2 = in[2], *const in3 = in[3];
+  const Rows4 rows{in[0], in[1], in[2], in[3]};
   uint8_t *const out0 = out[0], *const out1 = out[1], *const out2 = out[2], *const out3 = out[3];
-  for (int x = 0; x < out_w; ++x) {
+  const auto* const wv = reinterpret_cast<const __m256i*>(w);
+  int x = 0;
+  for (; x + 1 < out_w; x += 2) {
     const size_t xs = static_cast<size_t>(x);
-    const int n = count[xs];
-    const size_t off = static_cast<size_t>(first[xs]) * 3;
-    const auto* wv = reinterpret_cast<const __m256i*>(w + xs * pairs);
-    __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
-    for (int j = 0; j < n; j += 4, wv += 2) {
-      const size_t o = off + 3 * static_cast<size_t>(j);
-      const __m256i pa = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(in1 + o),
-                                             reinterpret_cast<const __m128i*>(in0 + o));
-      const __m256i pb = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(in3 + o),
-                                             reinterpret_cast<const __m128i*>(in2 + o));
-      const __m256i w01 = _mm256_load_si256(wv), w23 = _mm256_load_si256(wv + 1);
-      a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_shuffle_epi8(pa, taps01), w01));
-      b = _mm256_add_epi32(b, _mm256_madd_epi16(_mm256_shuffle_epi8(pb, taps01), w01));
-      a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_shuffle_epi8(pa, taps23), w23));
-      b = _mm256_add_epi32(b, _mm256_madd_epi16(_mm256_shuffle_epi8(pb, taps23), w23));
-    }
-    a = _mm256_srai_epi32(_mm256_add_epi32(a, round), kBits);
-    b = _mm256_srai_epi32(_mm256_add_epi32(b, round), kBits);
-    // lane 0: rows 0 and 2, lane 1: rows 1 and 3, 4 bytes each ([r g b 0]).
+    __m256i a0, b0, a1, b1;
+    pixel4_avx2(rows, static_cast<size_t>(first[xs]) * 3, count[xs], wv + xs * pairs, a0, b0);
+    pixel4_avx2(rows, static_cast<size_t>(first[xs + 1]) * 3, count[xs + 1], wv + (xs + 1) * pairs,
+                a1, b1);
+    // Lane 0: [row 0: pixel x, x+1 | row 2: x, x+1], lane 1 the same of rows 1 and 3.
+    const __m256i u = _mm256_shuffle_epi8(
+        _mm256_packus_epi16(_mm256_packs_epi32(a0, a1), _mm256_packs_epi32(b0, b1)), compact);
+    const __m128i lo = _mm256_castsi256_si128(u), hi = _mm256_extracti128_si256(u, 1);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out0 + 3 * xs), lo);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out1 + 3 * xs), hi);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out2 + 3 * xs), _mm_srli_si128(lo, 6));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out3 + 3 * xs), _mm_srli_si128(hi, 6));
+  }
+  if (x < out_w) {  // an odd last pixel
+    const size_t xs = static_cast<size_t>(x);
+    __m256i a, b;
+    pixel4_avx2(rows, static_cast<size_t>(first[xs]) * 3, count[xs], wv + xs * pairs, a, b);
     const __m256i p = _mm256_packs_epi32(a, b);
-    const __m256i u = _mm256_packus_epi16(p, p);
+    const __m256i u = _mm256_packus_epi16(p, p);  // lane 0: row 0, row 2; lane 1: rows 1, 3
     const __m128i lo = _mm256_castsi256_si128(u), hi = _mm256_extracti128_si256(u, 1);
     const int32_t v0 = _mm_cvtsi128_si32(lo), v1 = _mm_cvtsi128_si32(hi);
     const int32_t v2 = _mm_extract_epi32(lo, 1), v3 = _mm_extract_epi32(hi, 1);
@@ -253,7 +283,7 @@ void resample(const uint8_t* src, int w, int h, const Box& box, int out_w, int o
   }
   const size_t row_bytes = static_cast<size_t>(w) * 3;
   const size_t row = static_cast<size_t>(out_w) * 3;
-  const size_t mid_row = row + 1;  // the vector pass writes a byte past each row
+  const size_t mid_row = row + 2;  // the vector pass writes two bytes past each row
   thread_local std::vector<uint8_t> mid;
   mid.resize(static_cast<size_t>(row1 - row0) * mid_row + 16);
 #ifdef FORKGUARD_RESAMPLE_X86
