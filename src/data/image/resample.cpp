@@ -284,7 +284,7 @@ void resample(const uint8_t* src, int w, int h, const Box& box, int out_w, int o
   const size_t row_bytes = static_cast<size_t>(w) * 3;
   const size_t row = static_cast<size_t>(out_w) * 3;
   const size_t mid_row = row + 2;  // the vector pass writes two bytes past each row
-  thread_local std::vector<uint8_t> mid;
+  thread_local Pixels mid;  // every byte the vertical pass reads is written first: not cleared
   mid.resize(static_cast<size_t>(row1 - row0) * mid_row + 16);
 #ifdef FORKGUARD_RESAMPLE_X86
   if (avx2) {
@@ -296,7 +296,8 @@ void resample(const uint8_t* src, int w, int h, const Box& box, int out_w, int o
       const size_t xs = static_cast<size_t>(x);
       need = std::max(need, 3 * static_cast<size_t>(tx.first[xs] + tx.count[xs]) + 16);
     }
-    thread_local std::vector<uint8_t> padded, scratch;
+    thread_local Pixels padded;  // each copy's padding is cleared where it is made
+    thread_local std::vector<uint8_t> scratch;
     scratch.resize(row + 16);
     padded.resize(4 * need);
     const size_t pairs = static_cast<size_t>(tx.stride16) / 2;
