@@ -8,9 +8,14 @@ class Error(RuntimeError):
 
 class DataError(Error):
     """A sample could not be read or transformed (names the index and the file), or misuse."""
+    index: Optional[int]  # the sample's index in the dataset; None when no one sample is at fault
+    key: Optional[str]  # its key (the file's path); None likewise
 
 class WorkerError(Error):
     """A loader worker died or stopped itself (names the worker, its PID, the samples it held)."""
+    worker: Optional[int]  # the worker's number; None when no single worker is at fault
+    pid: Optional[int]  # its process (None for thread workers and failures before one existed)
+    indices: List[int]  # the samples it held
 
 class LoaderTimeoutError(Error):
     """A batch was not ready within the loader's timeout."""

@@ -356,6 +356,35 @@ class ImageLoader {
   std::unique_ptr<fd::Loader> loader_;
 };
 
+// The Python types of the loader's exceptions, set once at import: the translator below raises
+// them with the C++ exception's fields as attributes (a function pointer: no captures).
+py::handle g_data_error, g_worker_error;
+
+[[noreturn]] void raise_with(py::handle type, const char* what,
+                             std::initializer_list<std::pair<const char*, py::object>> attrs) {
+  py::object e = type(what);
+  for (const auto& [name, value] : attrs) e.attr(name) = value;
+  PyErr_SetObject(type.ptr(), e.ptr());
+  throw py::error_already_set();
+}
+
+void translate_loader_errors(std::exception_ptr p) {
+  try {
+    if (p) std::rethrow_exception(p);
+  } catch (const fd::DataError& e) {
+    raise_with(g_data_error, e.what(),
+               {{"index", e.index() == fd::DataError::npos ? py::object(py::none())
+                                                           : py::object(py::int_(e.index()))},
+                {"key", e.key().empty() ? py::object(py::none()) : py::object(py::str(e.key()))}});
+  } catch (const fd::WorkerError& e) {
+    raise_with(
+        g_worker_error, e.what(),
+        {{"worker", e.worker() < 0 ? py::object(py::none()) : py::object(py::int_(e.worker()))},
+         {"pid", e.pid() <= 0 ? py::object(py::none()) : py::object(py::int_(e.pid()))},
+         {"indices", py::cast(e.indices())}});
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -363,11 +392,13 @@ PYBIND11_MODULE(_native, m) {
   m.attr("__version__") = std::string(forkguard::kVersion);
 
   auto base = py::register_exception<forkguard::Error>(m, "Error", PyExc_RuntimeError);
-  auto data_error = py::register_exception<fd::DataError>(m, "DataError", base.ptr());
-  py::register_exception<fd::WorkerError>(m, "WorkerError", base.ptr());
+  auto& data_error = py::register_exception<fd::DataError>(m, "DataError", base.ptr());
+  auto& worker_error = py::register_exception<fd::WorkerError>(m, "WorkerError", base.ptr());
   py::register_exception<fd::TimeoutError>(m, "LoaderTimeoutError", base.ptr());
   py::register_exception<probe::ProbeError>(m, "ProbeError", base.ptr());
-  (void)data_error;
+  g_data_error = data_error;
+  g_worker_error = worker_error;
+  py::register_exception_translator(&translate_loader_errors);  // tried before the plain ones
 
   py::class_<ProbeResult>(m, "_ProbeResult")
       .def_property_readonly("pid", [](const ProbeResult& r) { return r.state.pid; })

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <optional>
 #include <sstream>
+#include <string_view>
 
 #include "detail/fd.hpp"
 #include "forkguard/data/error.hpp"
@@ -48,7 +49,27 @@ uint64_t digest_of(const std::vector<ImageFile>& files) {
   return h;
 }
 
-// Adds "count", "digest" and, within the budget, "paths" (relative to `prefix`) and "labels".
+// Whether `s` is valid UTF-8 (a JSON string must be; a file name need not be).
+bool valid_utf8(std::string_view s) {
+  for (size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    const size_t n = c < 0x80           ? 1
+                     : (c >> 5) == 0x6  ? 2
+                     : (c >> 4) == 0xE  ? 3
+                     : (c >> 3) == 0x1E ? 4
+                                        : 0;
+    if (n == 0 || i + n > s.size()) return false;
+    for (size_t k = 1; k < n; ++k) {
+      if ((static_cast<unsigned char>(s[i + k]) >> 6) != 0x2) return false;
+    }
+    i += n;
+  }
+  return true;
+}
+
+// Adds "count", "digest" and, within the budget, the list: "paths" (relative to `prefix`) as one
+// string of NUL-terminated names (no path holds a NUL; one JSON string parses far faster than
+// thousands), and "labels" as [label, run length] pairs in file order.
 void describe_files(nlohmann::json& params, const std::vector<ImageFile>& files,
                     const std::string& prefix) {
   params["count"] = files.size();
@@ -56,28 +77,44 @@ void describe_files(nlohmann::json& params, const std::vector<ImageFile>& files,
   size_t bytes = 0;
   for (const auto& f : files) {
     if (f.path.compare(0, prefix.size(), prefix) != 0) return;
-    bytes += f.path.size() - prefix.size() + 24;
-    if (bytes > kListBudget) return;
+    bytes += f.path.size() - prefix.size() + 6;  // the NUL is written "\u0000"
+    if (bytes > kListBudget || !valid_utf8(std::string_view(f.path).substr(prefix.size()))) return;
   }
-  nlohmann::json paths = nlohmann::json::array(), labels = nlohmann::json::array();
+  std::string paths;
+  paths.reserve(bytes);
+  std::vector<std::pair<int64_t, size_t>> runs;
   for (const auto& f : files) {
-    paths.push_back(f.path.substr(prefix.size()));
-    labels.push_back(f.label);
+    paths.append(f.path, prefix.size());
+    paths.push_back('\0');
+    if (!runs.empty() && runs.back().first == f.label) {
+      ++runs.back().second;
+    } else {
+      runs.emplace_back(f.label, 1);
+    }
   }
   params["paths"] = std::move(paths);
-  params["labels"] = std::move(labels);
+  params["labels"] = runs;
 }
 
 // The files a description lists, or nullopt when it lists none (scan, then check_files()).
 std::optional<std::vector<ImageFile>> described_files(const nlohmann::json& p,
                                                       const std::string& prefix) {
   if (!p.contains("paths")) return std::nullopt;
-  const auto& paths = p.at("paths");
-  const auto& labels = p.at("labels");
+  const auto& paths = p.at("paths").get_ref<const std::string&>();
+  const auto runs = p.at("labels").get<std::vector<std::pair<int64_t, size_t>>>();
   std::vector<ImageFile> files;
-  files.reserve(paths.size());
-  for (size_t i = 0; i < paths.size(); ++i) {
-    files.push_back({prefix + paths[i].get<std::string>(), labels.at(i).get<int64_t>()});
+  files.reserve(p.at("count").get<size_t>());
+  auto run = runs.begin();
+  size_t left = run == runs.end() ? 0 : run->second;
+  for (size_t at = 0; at < paths.size();) {
+    const size_t end = paths.find('\0', at);
+    while (left == 0 && run != runs.end() && ++run != runs.end()) left = run->second;
+    if (end == std::string::npos || run == runs.end()) {
+      throw DataError("a dataset description whose file list is malformed");
+    }
+    files.push_back({prefix + paths.substr(at, end - at), run->first});
+    --left;
+    at = end + 1;
   }
   return files;
 }

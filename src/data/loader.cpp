@@ -208,7 +208,18 @@ class LoaderImpl {
       stop_workers(true);
     }
     dead_.assign(in_flight_.size(), std::string());
-    if (workers() > 0 && !workers_) start_workers();
+    if (workers() > 0 && !workers_) {
+      start_workers();
+      // The first tasks travel while the workers build their pipelines; a worker that cannot
+      // start fails the whole start, as before, and its tasks are abandoned.
+      issue();
+      try {
+        workers_->await_started();
+      } catch (...) {
+        abandon(true);
+        throw;
+      }
+    }
     in_epoch_ = true;
   }
 
@@ -220,7 +231,7 @@ class LoaderImpl {
 
   void start_workers() {
     WorkerSetup setup{ds_.get(),      tf_.get(), producer_config_, workers(), epoch_,
-                      o_.worker_init, pool_};
+                      o_.worker_init, pool_,     o_.start_timeout};
     workers_ = o_.worker_kind == WorkerKind::kThread
                    ? start_thread_workers(setup)
                    : start_process_workers(setup, o_.process_start);
@@ -375,8 +386,8 @@ class LoaderImpl {
                      std::make_move_iterator(ev.result.skipped.end()));
     const auto kind = ev.result.kind;
     if (kind == TaskResult::Kind::kOk) return;
-    const bool worse = r.kind == TaskResult::Kind::kOk ||
-                       (kind == TaskResult::Kind::kCuda && r.kind != TaskResult::Kind::kCuda) ||
+    // kOk < kData < kInternal < kCuda: a stopped worker outweighs a bad sample.
+    const bool worse = static_cast<int>(kind) > static_cast<int>(r.kind) ||
                        (kind == r.kind && ev.result.position < p.failed_position);
     if (!worse) return;
     auto skipped = std::move(r.skipped);
@@ -404,7 +415,7 @@ class LoaderImpl {
     }
     std::string msg = fmt::format("batch {} of epoch {} was not ready within {} ms; waiting on {}",
                                   b, epoch_, o_.timeout.count(), who);
-    abandon(true);
+    abandon_epoch();
     throw TimeoutError(msg);
   }
 
@@ -474,7 +485,7 @@ class LoaderImpl {
                             : fmt::format("worker {} (PID {}) stopped at batch {} of epoch {}: {}",
                                           w, pid, b, epoch_, p.result.message);
       std::vector<size_t> indices = batches_[b];
-      abandon(true);
+      abandon_epoch();
       throw WorkerError(msg, w, pid, std::move(indices));
     }
     auto st = std::make_shared<BatchStorage>();
@@ -535,6 +546,13 @@ class LoaderImpl {
 
   // Ends the epoch early. stop: the workers are stopped (they may be stuck or dead); otherwise the
   // tasks in flight are waited for, so persistent workers stay.
+  // A worker died, stopped or timed out: the epoch is over, and the next call to next() starts
+  // the following one with fresh workers (set_epoch() replays it).
+  void abandon_epoch() {
+    abandon(true);
+    ++epoch_;
+  }
+
   void abandon(bool stop) {
     if (workers_ && !stop) {
       while (std::any_of(pending_.begin(), pending_.end(),

@@ -15,12 +15,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <exception>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "data/workers.hpp"
 #include "detail/seqpacket.hpp"
@@ -107,14 +109,14 @@ int serve(int sock, const Producer& producer) {
     auto it = slots.find(slot);
     TaskResult r;
     if (it == slots.end()) {
-      r.kind = TaskResult::Kind::kData;
+      r.kind = TaskResult::Kind::kInternal;
       r.message = fmt::format("slot {} was never sent to this worker", slot);
     } else {
       try {
         r = producer.run(to_u64(f[1]), unpack_indices(f[4]), it->second.data(), to_u64(f[5]),
                          f[6] == "1");
-      } catch (const std::exception& e) {
-        r.kind = TaskResult::Kind::kData;
+      } catch (const std::exception& e) {  // not a sample's fault (those are caught per sample)
+        r.kind = TaskResult::Kind::kInternal;
         r.message = e.what();
       }
     }
@@ -190,23 +192,40 @@ class ProcessWorkers : public Workers {
     procs_.resize(static_cast<size_t>(setup.workers));
     try {
       std::string base;  // serialized once: a small dataset's description lists its files
-      if (via_server) base = setup_json().dump();
-      for (int w = 0; w < setup.workers; ++w) start(w, base);
-      std::string failures;
-      for (int w = 0; w < setup.workers; ++w) {
-        std::string why = await_ready(w);
-        if (!why.empty()) {
-          failures +=
-              (failures.empty() ? "" : "; ") +
-              fmt::format("worker {} (PID {}): {}", w, procs_[static_cast<size_t>(w)].pid, why);
+      if (via_server) {
+        try {
+          base = setup_json().dump();
+        } catch (const nlohmann::json::exception& e) {  // e.g. a name that is not UTF-8
+          throw DataError(fmt::format(
+              "process workers from the fork server rebuild the dataset and transform from "
+              "their descriptions, and this one cannot be sent ({}); use thread workers or "
+              "ProcessStart::kFork",
+              e.what()));
         }
       }
-      if (!failures.empty()) {
-        throw WorkerError(fmt::format("process workers could not start: {}", failures), -1, -1, {});
-      }
+      for (int w = 0; w < setup.workers; ++w) start(w, base);
     } catch (...) {
       stop(true);
       throw;
+    }
+  }
+
+  void await_started() override {
+    const auto deadline = setup_.start_timeout.count() > 0
+                              ? std::optional(Clock::now() + setup_.start_timeout)
+                              : std::nullopt;
+    std::string failures;
+    for (int w = 0; w < setup_.workers; ++w) {
+      std::string why = await_ready(w, deadline);
+      if (!why.empty()) {
+        failures +=
+            (failures.empty() ? "" : "; ") +
+            fmt::format("worker {} (PID {}): {}", w, procs_[static_cast<size_t>(w)].pid, why);
+      }
+    }
+    if (!failures.empty()) {
+      stop(true);
+      throw WorkerError(fmt::format("process workers could not start: {}", failures), -1, -1, {});
     }
   }
 
@@ -404,10 +423,26 @@ class ProcessWorkers : public Workers {
     return pid;
   }
 
-  std::string await_ready(int w) {
+  std::string await_ready(int w, std::optional<Clock::time_point> deadline) {
     auto& p = procs_[static_cast<size_t>(w)];
+    if (!p.alive) return "it is not running";
     std::vector<std::string> f;
     int fds[kMaxFds];
+    if (deadline) {
+      pollfd q{p.sock.get(), POLLIN, 0};
+      int r;
+      do {
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - Clock::now());
+        r = ::poll(&q, 1, static_cast<int>(std::max<long>(0, left.count())));
+      } while (r < 0 && errno == EINTR);
+      if (r == 0) {
+        return fmt::format(
+            "it was not ready within {} ms (LoaderOptions::start_timeout): its dataset or "
+            "transform "
+            "factory, or its init hook, did not return",
+            setup_.start_timeout.count());
+      }
+    }
     if (!recv_message(p.sock.get(), f, fds)) {
       p.alive = false;
       collect(p, kExitGrace);

@@ -24,9 +24,11 @@ struct ProducerConfig {
 };
 
 struct TaskResult {
-  enum class Kind { kOk, kData, kCuda };
+  // kData: a bad sample (the batch is lost, the epoch goes on); kInternal: the task failed outside
+  // any sample (the worker is stopped, as for a death); kCuda: the worker gained CUDA state.
+  enum class Kind { kOk, kData, kInternal, kCuda };
   Kind kind = Kind::kOk;
-  std::string message;  // kData / kCuda: what failed, naming the sample
+  std::string message;  // what failed, naming the sample where there is one
   size_t index = 0;     // the failing sample
   size_t position = 0;  // and its position in the batch
   std::string key;

@@ -5,9 +5,11 @@
 #include <deque>
 #include <exception>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 #include "data/workers.hpp"
+#include "forkguard/data/error.hpp"
 
 namespace forkguard::data::detail {
 namespace {
@@ -19,8 +21,17 @@ class ThreadWorkers : public Workers {
     WorkerInit init = setup.worker_init.empty() ? nullptr : find_worker_init(setup.worker_init);
     queues_.resize(static_cast<size_t>(setup.workers));
     for (auto& q : queues_) q = std::make_unique<Queue>();
-    for (int w = 0; w < setup.workers; ++w) {
-      threads_.emplace_back([this, w, init] { run(w, init); });
+    threads_.reserve(static_cast<size_t>(setup.workers));
+    try {
+      for (int w = 0; w < setup.workers; ++w) {
+        threads_.emplace_back([this, w, init] { run(w, init); });
+      }
+    } catch (const std::system_error& e) {  // out of threads: stop the ones started, then say so
+      const size_t started = threads_.size();
+      stop();
+      throw WorkerError(
+          fmt::format("cannot start thread worker {} of {}: {}", started, setup.workers, e.what()),
+          static_cast<int>(started), -1, {});
     }
   }
 
@@ -117,8 +128,8 @@ class ThreadWorkers : public Workers {
       e.idle_ns = idle;
       try {
         e.result = producer_.run(task.epoch, task.indices, base, task.first, task.shared);
-      } catch (const std::exception& ex) {  // not a sample's fault: report it as the batch's
-        e.result.kind = TaskResult::Kind::kData;
+      } catch (const std::exception& ex) {  // not a sample's fault (those are caught per sample)
+        e.result.kind = TaskResult::Kind::kInternal;
         e.result.message = ex.what();
       }
       post(std::move(e));

@@ -48,6 +48,9 @@ class Workers {
  public:
   virtual ~Workers() = default;
   virtual void submit(int worker, Task task) = 0;
+  // Waits until every worker has built its pipeline (tasks may be submitted before: they wait in
+  // the worker's queue); throws WorkerError naming each worker that could not start.
+  virtual void await_started() {}
   // The next event; nullopt when `deadline` passed first.
   virtual std::optional<WorkerEvent> wait(std::optional<Clock::time_point> deadline) = 0;
   // Stops every worker and waits for them. Gracefully (each finishes its task and exits), or
@@ -66,6 +69,7 @@ struct WorkerSetup {
   uint64_t epoch = 0;
   std::string worker_init;  // registered hook name
   std::shared_ptr<SlotPool> pool;
+  std::chrono::milliseconds start_timeout{0};  // for a worker's start; 0: as long as it takes
 };
 
 WorkerInit find_worker_init(const std::string& name);  // throws DataError when unknown

@@ -83,6 +83,15 @@ TEST(ImageFolder, DescriptionCarriesTheFilesOrChecksTheRescan) {
   same.params.erase("paths");
   same.params.erase("labels");
   EXPECT_EQ(fd::make_dataset(same)->size(), 5u);  // unchanged since: the rescan is accepted
+  // A name that is not UTF-8 cannot travel in JSON: no list, the worker scans (and checks).
+  write(root / "dog" / "\xff.jpg", "x");
+  fd::ImageFolder odd(root.string());
+  auto d2 = *odd.describe();
+  EXPECT_FALSE(d2.params.contains("paths"));
+  EXPECT_NO_THROW((void)d2.params.dump());
+  auto again = fd::make_dataset(d2);
+  ASSERT_EQ(again->size(), odd.size());
+  for (size_t i = 0; i < odd.size(); ++i) EXPECT_EQ(again->key(i), odd.key(i));
 }
 
 TEST(ImageFolder, BadRootsAndFilesAreNamed) {

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 
 #include <atomic>
@@ -427,6 +428,9 @@ static const bool g_hooks = [] {
         fmt::format("{}/worker-{}-of-{}", std::getenv("LOADER_TEST_DIR"), info.id, info.workers))
         << info.seed;
   });
+  fd::register_worker_init("test_stuck_init", [](const fd::WorkerInfo&) {
+    std::this_thread::sleep_for(std::chrono::seconds(60));
+  });
   fd::register_worker_init("test_cuda_init", [](const fd::WorkerInfo&) {
     void* h = ::dlopen(ft::kFakeCuda.c_str(), RTLD_NOW | RTLD_GLOBAL);
     auto init = reinterpret_cast<forkguard::cuda::PFN_cuInit>(::dlsym(h, "cuInit"));
@@ -471,6 +475,7 @@ TEST(Loader, KilledProcessWorkerIsReportedWithinASecondAndNothingIsLeft) {
       auto pids = loader.worker_pids();
       ASSERT_EQ(pids.size(), 2u);
       const pid_t victim = pids[1];
+      const uint64_t epoch = loader.epoch();
       ASSERT_EQ(::kill(victim, SIGKILL), 0);
       const auto killed_at = Clock::now();
       try {
@@ -488,9 +493,13 @@ TEST(Loader, KilledProcessWorkerIsReportedWithinASecondAndNothingIsLeft) {
         EXPECT_FALSE(e.indices().empty());
       }
       EXPECT_TRUE(loader.worker_pids().empty());  // the other worker was stopped too
-      // The loader goes on with fresh workers at the next epoch.
+      // The epoch is over: the loader goes on with fresh workers at the next one.
+      EXPECT_EQ(loader.epoch(), epoch + 1);
       size_t n = 0;
-      while (auto b = loader.next()) ++n;
+      while (auto b = loader.next()) {
+        EXPECT_EQ(b->epoch(), epoch + 1);
+        ++n;
+      }
       EXPECT_EQ(n, loader.size());
       EXPECT_EQ(loader.stats().worker_restarts, 2u);
     }
@@ -530,6 +539,7 @@ TEST(Loader, TimeoutNamesTheBatchAndTheWorker) {
               std::string::npos)
         << msg;
   }
+  EXPECT_EQ(loader.epoch(), 1u);  // the epoch is over
 }
 
 TEST(Loader, ProcessWorkersFromTheForkServerWorkAfterThisProcessInitializedCuda) {
@@ -597,6 +607,69 @@ TEST(Loader, ProcessWorkerInitHookThatInitializesCudaIsNamed) {
               std::string::npos)
         << msg;
   }
+}
+
+// A process worker that never gets ready (its init hook hangs) fails the start within
+// start_timeout, naming it, and nothing is left behind.
+TEST(Loader, ProcessWorkerThatNeverGetsReadyFailsWithinTheTimeout) {
+  for (auto start : {fd::ProcessStart::kForkServer, fd::ProcessStart::kFork}) {
+    const auto fds_before = ft::open_fds();
+    const auto t0 = Clock::now();
+    try {
+      fd::Loader loader(dataset(), noise(),
+                        {.workers = 2,
+                         .worker_kind = fd::WorkerKind::kProcess,
+                         .process_start = start,
+                         .start_timeout = std::chrono::milliseconds(300),
+                         .worker_init = "test_stuck_init"});
+      loader.next();
+      ADD_FAILURE() << "no error";
+    } catch (const fd::WorkerError& e) {
+      std::string msg = e.what();
+      EXPECT_NE(msg.find("process workers could not start: worker 0 (PID "), std::string::npos)
+          << msg;
+      EXPECT_NE(msg.find("it was not ready within 300 ms (LoaderOptions::start_timeout)"),
+                std::string::npos)
+          << msg;
+    }
+    EXPECT_LT(Clock::now() - t0, std::chrono::seconds(5));
+    expect_clean(fds_before);
+  }
+}
+
+// Thread workers that cannot all be created (out of address space for their stacks) are stopped
+// and reported, instead of std::terminate from a joinable std::thread's destructor.
+TEST(Loader, ThreadWorkersThatCannotStartAreReported) {
+#ifdef FORKGUARD_SANITIZED_BUILD
+  GTEST_SKIP() << "a sanitizer's runtime reserves terabytes of address space: no RLIMIT_AS fits";
+#else
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    // Room for this process as it is and a few thread stacks, not for 256 of them (8 MiB each).
+    std::ifstream status("/proc/self/status");
+    size_t vm_kb = 0;
+    for (std::string line; std::getline(status, line);) {
+      if (line.rfind("VmSize:", 0) == 0) vm_kb = std::strtoull(line.c_str() + 7, nullptr, 10);
+    }
+    rlimit lim{};
+    lim.rlim_cur = lim.rlim_max = (vm_kb + 64 * 1024) * 1024;
+    if (vm_kb == 0 || ::setrlimit(RLIMIT_AS, &lim) != 0) ::_exit(3);
+    try {
+      fd::Loader loader(dataset(), noise(), {.workers = 256});
+      loader.next();
+      ::_exit(4);
+    } catch (const fd::WorkerError& e) {
+      ::_exit(std::string(e.what()).find("cannot start thread worker ") == 0 ? 0 : 5);
+    } catch (...) {
+      ::_exit(6);
+    }
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << "killed by signal " << WTERMSIG(status);
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+#endif
 }
 
 TEST(Loader, DeviceHandOffCopiesExactBytesAndReusesSlotsOnlyAfterTheCopy) {

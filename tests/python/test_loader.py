@@ -1,6 +1,8 @@
 """forkguard.ImageLoader through torch.from_dlpack: the C++ loader's values (the CLI's digest),
 no copy (the batch's own pointer), memory kept while a tensor lives and released after."""
 import json
+import os
+import signal
 import subprocess
 
 import numpy as np
@@ -106,9 +108,11 @@ def test_set_epoch_replays_and_worker_count_does_not_matter(images):
 
 def test_bad_sample_error_names_the_file_and_skip_records_it(bad_images):
     loader = forkguard.ImageLoader(bad_images, batch_size=25, workers=2, size=32)
-    with pytest.raises(forkguard.DataError, match="img99_bad.jpg"):
+    with pytest.raises(forkguard.DataError, match="img99_bad.jpg") as raised:
         for _ in loader:
             pass
+    assert raised.value.key.endswith("img99_bad.jpg")
+    assert isinstance(raised.value.index, int)
     loader = forkguard.ImageLoader(bad_images, batch_size=25, workers=2, size=32,
                                    bad_sample="skip")
     skipped = []
@@ -116,6 +120,19 @@ def test_bad_sample_error_names_the_file_and_skip_records_it(bad_images):
         skipped += images_t.skipped
     assert [s["key"].endswith("img99_bad.jpg") for s in skipped] == [True]
     assert loader.stats()["skipped"] == 1
+
+
+def test_killed_worker_raises_worker_error_with_its_pid(images):
+    loader = forkguard.ImageLoader(images, batch_size=4, workers=2, worker_kind="process", size=32)
+    it = iter(loader)
+    next(it)
+    victim = loader.worker_pids()[1]
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(forkguard.WorkerError, match="SIGKILL") as raised:
+        for _ in it:
+            pass
+    assert raised.value.pid == victim and raised.value.worker == 1
+    assert raised.value.indices and all(isinstance(i, int) for i in raised.value.indices)
 
 
 def test_stats_and_errors(images):

@@ -80,8 +80,11 @@ struct LoaderOptions {
   size_t prefetch = 2;                               // batches in flight per worker
   bool split_first_batch = true;   // an epoch's first batch is made by every worker, in parts
   bool persistent_workers = true;  // keep workers across epochs
-  Delivery delivery = Delivery::kInOrder;    // in order, or as each batch is ready
-  std::chrono::milliseconds timeout{0};      // per batch; 0: wait as long as it takes
+  Delivery delivery = Delivery::kInOrder;  // in order, or as each batch is ready
+  std::chrono::milliseconds timeout{0};    // per batch; 0: wait as long as it takes
+  // For process workers to start (rebuild the dataset and transform, run the init hook); 0: as
+  // long as it takes.
+  std::chrono::milliseconds start_timeout{std::chrono::seconds(60)};
   BadSample bad_sample = BadSample::kError;  // raise, or substitute and record
   size_t max_substitutes = 16;               // skip: tries before giving up on a sample
   uint64_t seed = 0;                         // all randomness derives from it
@@ -125,7 +128,8 @@ class Loader {
 
   // The next batch of the current epoch; nullopt once the epoch is over (the next call starts
   // the following epoch). Throws DataError (a bad sample: the epoch goes on after it),
-  // WorkerError (a worker died: the epoch is over), TimeoutError.
+  // WorkerError (a worker died or failed: the epoch is over, the next call starts the following
+  // one with fresh workers; set_epoch() to replay it), TimeoutError (the same).
   std::optional<Batch> next();
   // The number of the epoch the next call to next() starts (or is in); set it to replay one.
   // Setting it mid-epoch abandons the rest of the current epoch.
