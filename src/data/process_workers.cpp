@@ -23,6 +23,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <tuple>
 
 #include "data/workers.hpp"
 #include "detail/seqpacket.hpp"
@@ -50,12 +51,15 @@ uint64_t to_u64(const std::string& s) {
   return std::strtoull(s.c_str(), nullptr, 10);
 }
 
-std::string pack_indices(const std::vector<size_t>& v) {
-  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(size_t));
+// A task's indices travel in its slot, not in the message (whose size is bounded by the socket's
+// buffer: about 26 000 indices): the loader writes them before it sends the task.
+void put_indices(const std::vector<size_t>& v, std::byte* slot, const SlotLayout& l) {
+  std::memcpy(slot + l.indices_offset, v.data(), v.size() * sizeof(size_t));
 }
-std::vector<size_t> unpack_indices(const std::string& s) {
-  std::vector<size_t> v(s.size() / sizeof(size_t));
-  std::memcpy(v.data(), s.data(), v.size() * sizeof(size_t));
+std::vector<size_t> get_indices(size_t count, const std::byte* slot, const SlotLayout& l) {
+  if (count > l.batch_size) throw DataError(fmt::format("a task of {} samples", count));
+  std::vector<size_t> v(count);
+  std::memcpy(v.data(), slot + l.indices_offset, count * sizeof(size_t));
   return v;
 }
 
@@ -113,8 +117,9 @@ int serve(int sock, const Producer& producer) {
       r.message = fmt::format("slot {} was never sent to this worker", slot);
     } else {
       try {
-        r = producer.run(to_u64(f[1]), unpack_indices(f[4]), it->second.data(), to_u64(f[5]),
-                         f[6] == "1");
+        const auto& layout = producer.config().layout;
+        r = producer.run(to_u64(f[1]), get_indices(to_u64(f[4]), it->second.data(), layout),
+                         it->second.data(), to_u64(f[5]), f[6] == "1");
       } catch (const std::exception& e) {  // not a sample's fault (those are caught per sample)
         r.kind = TaskResult::Kind::kInternal;
         r.message = e.what();
@@ -249,9 +254,15 @@ class ProcessWorkers : public Workers {
       }
       p.has_slot[static_cast<size_t>(task.slot)] = true;
     }
+    // The parts of a shared batch have the same indices: written once.
+    const auto batch = std::make_tuple(task.epoch, task.batch, task.slot);
+    if (!task.shared || batch != indices_written_) {
+      put_indices(task.indices, setup_.pool->get(task.slot).memory.data(), setup_.producer.layout);
+      indices_written_ = batch;
+    }
     if (!send_message(p.sock.get(),
                       {"task", u64(task.epoch), u64(task.batch), std::to_string(task.slot),
-                       pack_indices(task.indices), u64(task.first), task.shared ? "1" : "0"})) {
+                       u64(task.indices.size()), u64(task.first), task.shared ? "1" : "0"})) {
       // A dead worker (EPIPE, ECONNRESET) is reported by wait(); anything else would leave the
       // batch waiting for a task its worker never got.
       if (errno != EPIPE && errno != ECONNRESET) {
@@ -534,6 +545,7 @@ class ProcessWorkers : public Workers {
   WorkerSetup setup_;
   bool via_;
   std::vector<Proc> procs_;
+  std::tuple<uint64_t, size_t, int> indices_written_{~0ull, 0, -1};  // (epoch, batch, slot)
   size_t next_ = 0;
 };
 

@@ -26,7 +26,9 @@ SlotLayout SlotLayout::make(size_t batch_size, size_t sample_bytes, size_t key_b
   l.labels_offset = round_up(batch_size * sample_bytes, 64);
   l.keys_offset = round_up(l.labels_offset + batch_size * sizeof(int64_t), 64);
   l.claim_offset = round_up(l.keys_offset + batch_size * key_bytes, 64);
-  l.total = round_up(l.claim_offset + 64, static_cast<size_t>(::sysconf(_SC_PAGESIZE)));
+  l.indices_offset = l.claim_offset + 64;
+  l.total = round_up(l.indices_offset + batch_size * sizeof(uint64_t),
+                     static_cast<size_t>(::sysconf(_SC_PAGESIZE)));
   return l;
 }
 

@@ -14,15 +14,18 @@
 namespace forkguard::data::detail {
 
 // Where a batch's parts lie in its slot. Images first (page-aligned, for pinning), then labels
-// (int64 per sample), then keys (key_bytes per sample, NUL-padded), then the claim counter.
+// (int64 per sample), then keys (key_bytes per sample, NUL-padded), then the claim counter, then
+// the indices of the samples to fill (a task message carries only their count: any batch size
+// fits).
 struct SlotLayout {
   size_t batch_size = 0;
   size_t sample_bytes = 0;
   size_t key_bytes = 0;
   size_t labels_offset = 0;
   size_t keys_offset = 0;
-  size_t claim_offset = 0;  // a uint32 counter: the next position of a batch split over workers
-  size_t total = 0;         // page multiple
+  size_t claim_offset = 0;    // a uint32 counter: the next position of a batch split over workers
+  size_t indices_offset = 0;  // the batch's sample indices (uint64 each), for process workers
+  size_t total = 0;           // page multiple
 
   static SlotLayout make(size_t batch_size, size_t sample_bytes, size_t key_bytes);
 };

@@ -359,6 +359,27 @@ TEST(Loader, FirstBatchWorkersTakeTheSamplesASlowOneLeaves) {
   }
 }
 
+// A batch of 40 000 samples: its indices travel in the slot (a task message, bounded by the
+// socket's buffer, would hold about 26 000), and the bytes are the same for every worker kind.
+TEST(Loader, ProcessWorkersTakeBatchesOfAnySize) {
+  const size_t n = 40000;
+  auto ds = std::make_shared<FlakyDataset>(
+      fd::SyntheticOptions{.size = n, .sample_bytes = 8, .seed = 3}, std::set<size_t>{});
+  NoiseOptions o;
+  o.bytes = 8;
+  std::vector<uint64_t> hashes;
+  for (const auto& k : {kKinds[2], kKinds[5], kKinds[6]}) {
+    fd::Loader loader(ds, std::make_shared<NoiseTransform>(o),
+                      with(k, {.batch_size = n, .seed = 4, .shuffle = true, .key_bytes = 32}));
+    auto b = loader.next();
+    ASSERT_TRUE(b) << k.name;
+    EXPECT_EQ(b->size(), n) << k.name;
+    hashes.push_back(hash_batch(*b));
+  }
+  EXPECT_EQ(hashes[0], hashes[1]);
+  EXPECT_EQ(hashes[0], hashes[2]);
+}
+
 TEST(Loader, DlpackTensorsShareTheSlotAndKeepItAlive) {
   fd::Loader loader(dataset(64), noise(), {.batch_size = 16, .workers = 1, .prefetch = 1});
   std::vector<DLManagedTensor*> held;
