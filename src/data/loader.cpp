@@ -230,8 +230,17 @@ class LoaderImpl {
   }
 
   void start_workers() {
-    WorkerSetup setup{ds_.get(),      tf_.get(), producer_config_, workers(), epoch_,
-                      o_.worker_init, pool_,     o_.start_timeout};
+    WorkerSetup setup{
+        ds_.get(),
+        tf_.get(),
+        producer_config_,
+        workers(),
+        epoch_,
+        o_.worker_init,
+        pool_,
+        o_.start_timeout,
+        std::make_shared<
+            std::pair<std::shared_ptr<const Dataset>, std::shared_ptr<const Transform>>>(ds_, tf_)};
     workers_ = o_.worker_kind == WorkerKind::kThread
                    ? start_thread_workers(setup)
                    : start_process_workers(setup, o_.process_start);

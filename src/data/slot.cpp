@@ -99,8 +99,31 @@ Slot& SlotPool::acquire(int worker, const std::function<void(Slot&)>& on_create)
 
 void SlotPool::release(int id) {
   std::lock_guard lock(mutex_);
-  auto& s = *slots_[static_cast<size_t>(id)];
-  free_[static_cast<size_t>(s.worker)].push_back(id);
+  const auto i = static_cast<size_t>(id);
+  if (i < holds_.size() && holds_[i] > 0) {
+    released_held_[i] = true;
+    return;
+  }
+  free_[static_cast<size_t>(slots_[i]->worker)].push_back(id);
+}
+
+void SlotPool::hold(int id) {
+  std::lock_guard lock(mutex_);
+  const auto i = static_cast<size_t>(id);
+  if (holds_.size() <= i) {
+    holds_.resize(i + 1, 0);
+    released_held_.resize(i + 1, false);
+  }
+  ++holds_[i];
+}
+
+void SlotPool::unhold(int id) {
+  std::lock_guard lock(mutex_);
+  const auto i = static_cast<size_t>(id);
+  if (--holds_[i] == 0 && released_held_[i]) {
+    released_held_[i] = false;
+    free_[static_cast<size_t>(slots_[i]->worker)].push_back(id);
+  }
 }
 
 Slot& SlotPool::get(int id) {

@@ -70,6 +70,10 @@ class SlotPool {
   // A free slot of `worker`, or a new one; `on_create` runs for new slots (pinning).
   Slot& acquire(int worker, const std::function<void(Slot&)>& on_create);
   void release(int id);
+  // A held slot is not reused, even once released, until it is unheld (a thread worker left
+  // behind in a task still writes into it).
+  void hold(int id);
+  void unhold(int id);
   Slot& get(int id);
   size_t count() const;
   // Runs before a slot is unmapped (unpinning); set by the device stage.
@@ -80,6 +84,8 @@ class SlotPool {
   mutable std::mutex mutex_;
   std::vector<std::unique_ptr<Slot>> slots_;
   std::vector<std::vector<int>> free_;  // per worker
+  std::vector<int> holds_;              // per slot
+  std::vector<bool> released_held_;     // per slot: released while held
   std::function<void(Slot&)> on_destroy_;
 };
 

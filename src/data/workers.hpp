@@ -70,6 +70,8 @@ struct WorkerSetup {
   std::string worker_init;  // registered hook name
   std::shared_ptr<SlotPool> pool;
   std::chrono::milliseconds start_timeout{0};  // for a worker's start; 0: as long as it takes
+  // Keeps the dataset and transform alive for a thread worker left behind in a task.
+  std::shared_ptr<const void> keep_alive{};
 };
 
 WorkerInit find_worker_init(const std::string& name);  // throws DataError when unknown

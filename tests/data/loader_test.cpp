@@ -40,7 +40,7 @@ FORKGUARD_REGISTER_DATASET(test_flaky, [](const nlohmann::json& p) {
 FORKGUARD_REGISTER_TRANSFORM(test_noise, [](const nlohmann::json& p) {
   return std::make_unique<NoiseTransform>(NoiseOptions{
       p.at("bytes"), p.at("sleep_ms"), p.at("cuda_at"), p.at("driver").get<std::string>(),
-      p.at("slow_at"), p.at("slow_ms"), p.at("trace").get<std::string>()});
+      p.at("slow_at"), p.at("slow_ms"), p.at("slow_once"), p.at("trace").get<std::string>()});
 });
 
 namespace {
@@ -563,6 +563,66 @@ TEST(Loader, TimeoutNamesTheBatchAndTheWorker) {
   EXPECT_EQ(loader.epoch(), 1u);  // the epoch is over
 }
 
+// A process worker that never gets ready (its init hook hangs) fails the start within
+// start_timeout, naming it, and nothing is left behind.
+TEST(Loader, ProcessWorkerThatNeverGetsReadyFailsWithinTheTimeout) {
+  for (auto start : {fd::ProcessStart::kForkServer, fd::ProcessStart::kFork}) {
+    const auto fds_before = ft::open_fds();
+    const auto t0 = Clock::now();
+    try {
+      fd::Loader loader(dataset(), noise(),
+                        {.workers = 2,
+                         .worker_kind = fd::WorkerKind::kProcess,
+                         .process_start = start,
+                         .start_timeout = std::chrono::milliseconds(300),
+                         .worker_init = "test_stuck_init"});
+      loader.next();
+      ADD_FAILURE() << "no error";
+    } catch (const fd::WorkerError& e) {
+      std::string msg = e.what();
+      EXPECT_NE(msg.find("process workers could not start: worker 0 (PID "), std::string::npos)
+          << msg;
+      EXPECT_NE(msg.find("it was not ready within 300 ms (LoaderOptions::start_timeout)"),
+                std::string::npos)
+          << msg;
+    }
+    EXPECT_LT(Clock::now() - t0, std::chrono::seconds(5));
+    expect_clean(fds_before);
+  }
+}
+
+// A thread stuck in a transform cannot be killed: the timeout still fires on time, the thread is
+// left behind (its slot kept out of the pool until its task returns), and the next epochs run
+// with fresh threads and the right bytes, also once the stuck task has returned.
+TEST(Loader, TimeoutWithAThreadStuckInATransformFiresAndTheLoaderGoesOn) {
+  NoiseOptions stuck{.slow_at = 5, .slow_ms = 1500, .slow_once = true};
+  stuck.bytes = kBytes;
+  const fd::LoaderOptions o{
+      .batch_size = 4, .workers = 2, .timeout = std::chrono::milliseconds(200)};
+  fd::Loader reference(dataset(40), noise(), o);
+  std::vector<std::vector<uint64_t>> expected(3);
+  for (auto& e : expected) {
+    while (auto b = reference.next()) e.push_back(hash_batch(*b));
+  }
+  fd::Loader loader(dataset(40), std::make_shared<NoiseTransform>(stuck), o);
+  const auto t0 = Clock::now();
+  try {
+    while (loader.next()) {
+    }
+    FAIL() << "no timeout";
+  } catch (const fd::TimeoutError& e) {
+    EXPECT_LT(Clock::now() - t0, std::chrono::seconds(1)) << "the timeout waited for the thread";
+    EXPECT_NE(std::string(e.what()).find("(a thread)"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(loader.epoch(), 1u);
+  for (uint64_t epoch = 1; epoch < 3; ++epoch) {
+    std::vector<uint64_t> got;
+    while (auto b = loader.next()) got.push_back(hash_batch(*b));
+    EXPECT_EQ(got, expected[epoch]) << "epoch " << epoch;
+    if (epoch == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1600));  // it returns
+  }
+}
+
 TEST(Loader, ProcessWorkersFromTheForkServerWorkAfterThisProcessInitializedCuda) {
   const auto& drv = init_cuda_here();
   auto reference = hashes({.batch_size = 16, .seed = 4}, 1);
@@ -627,34 +687,6 @@ TEST(Loader, ProcessWorkerInitHookThatInitializesCudaIsNamed) {
     EXPECT_NE(msg.find("its init hook \"test_cuda_init\" initialized CUDA in the worker"),
               std::string::npos)
         << msg;
-  }
-}
-
-// A process worker that never gets ready (its init hook hangs) fails the start within
-// start_timeout, naming it, and nothing is left behind.
-TEST(Loader, ProcessWorkerThatNeverGetsReadyFailsWithinTheTimeout) {
-  for (auto start : {fd::ProcessStart::kForkServer, fd::ProcessStart::kFork}) {
-    const auto fds_before = ft::open_fds();
-    const auto t0 = Clock::now();
-    try {
-      fd::Loader loader(dataset(), noise(),
-                        {.workers = 2,
-                         .worker_kind = fd::WorkerKind::kProcess,
-                         .process_start = start,
-                         .start_timeout = std::chrono::milliseconds(300),
-                         .worker_init = "test_stuck_init"});
-      loader.next();
-      ADD_FAILURE() << "no error";
-    } catch (const fd::WorkerError& e) {
-      std::string msg = e.what();
-      EXPECT_NE(msg.find("process workers could not start: worker 0 (PID "), std::string::npos)
-          << msg;
-      EXPECT_NE(msg.find("it was not ready within 300 ms (LoaderOptions::start_timeout)"),
-                std::string::npos)
-          << msg;
-    }
-    EXPECT_LT(Clock::now() - t0, std::chrono::seconds(5));
-    expect_clean(fds_before);
   }
 }
 

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <set>
@@ -52,7 +53,8 @@ struct NoiseOptions {
   std::string driver{};  // the test driver's path
   long slow_at = -1;     // this sample index sleeps slow_ms more
   int slow_ms = 0;
-  std::string trace{};  // a file each sample appends "<key> <thread id>" to: who filled it
+  bool slow_once = false;  // only the first time (per transform object)
+  std::string trace{};     // a file each sample appends "<key> <thread id>" to: who filled it
 };
 
 // Random per (seed, epoch, index): XORs the bytes with the sample's random stream and reverses
@@ -67,7 +69,8 @@ class NoiseTransform : public fd::Transform {
   void apply(const fd::Sample& in, std::span<std::byte> out, fd::Rng& rng) const override {
     if (o_.sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(o_.sleep_ms));
     if (o_.slow_at >= 0 &&
-        in.key == fd::SyntheticDataset({}).key(static_cast<size_t>(o_.slow_at))) {
+        in.key == fd::SyntheticDataset({}).key(static_cast<size_t>(o_.slow_at)) &&
+        !(o_.slow_once && slept_.exchange(true))) {
       std::this_thread::sleep_for(std::chrono::milliseconds(o_.slow_ms));
     }
     if (!o_.trace.empty()) {  // one O_APPEND write per line: lines never interleave
@@ -103,11 +106,13 @@ class NoiseTransform : public fd::Transform {
                             {"driver", o_.driver},
                             {"slow_at", o_.slow_at},
                             {"slow_ms", o_.slow_ms},
+                            {"slow_once", o_.slow_once},
                             {"trace", o_.trace}}};
   }
 
  private:
   NoiseOptions o_;
+  mutable std::atomic<bool> slept_{false};
 };
 
 }  // namespace forkguard::testing
