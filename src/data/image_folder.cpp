@@ -116,6 +116,9 @@ std::optional<std::vector<ImageFile>> described_files(const nlohmann::json& p,
     --left;
     at = end + 1;
   }
+  if (files.size() != p.at("count").get<size_t>()) {
+    throw DataError("a dataset description whose file list is malformed");
+  }
   return files;
 }
 

@@ -553,8 +553,6 @@ class LoaderImpl {
     }
   }
 
-  // Ends the epoch early. stop: the workers are stopped (they may be stuck or dead); otherwise the
-  // tasks in flight are waited for, so persistent workers stay.
   // A worker died, stopped or timed out: the epoch is over, and the next call to next() starts
   // the following one with fresh workers (set_epoch() replays it).
   void abandon_epoch() {
@@ -562,6 +560,8 @@ class LoaderImpl {
     ++epoch_;
   }
 
+  // Ends the epoch early. stop: the workers are stopped (they may be stuck or dead); otherwise the
+  // tasks in flight are waited for, so persistent workers stay.
   void abandon(bool stop) {
     if (workers_ && !stop) {
       while (std::any_of(pending_.begin(), pending_.end(),

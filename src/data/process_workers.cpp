@@ -448,9 +448,8 @@ class ProcessWorkers : public Workers {
       } while (r < 0 && errno == EINTR);
       if (r == 0) {
         return fmt::format(
-            "it was not ready within {} ms (LoaderOptions::start_timeout): its dataset or "
-            "transform "
-            "factory, or its init hook, did not return",
+            "it was not ready within {} ms (LoaderOptions::start_timeout): rebuilding its "
+            "dataset or transform, or its init hook, did not return",
             setup_.start_timeout.count());
       }
     }
