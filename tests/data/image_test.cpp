@@ -36,20 +36,6 @@ std::vector<uint8_t> picture(int w, int h) {
   return rgb;
 }
 
-std::vector<uint8_t> encode_png(const void* pixels, int w, int h, uint32_t format) {
-  png_image img{};
-  img.version = PNG_IMAGE_VERSION;
-  img.width = static_cast<png_uint_32>(w);
-  img.height = static_cast<png_uint_32>(h);
-  img.format = format;
-  png_alloc_size_t size = 0;
-  EXPECT_NE(png_image_write_to_memory(&img, nullptr, &size, 0, pixels, 0, nullptr), 0);
-  std::vector<uint8_t> out(size);
-  EXPECT_NE(png_image_write_to_memory(&img, out.data(), &size, 0, pixels, 0, nullptr), 0);
-  out.resize(size);
-  return out;
-}
-
 fi::Region decode(const std::vector<uint8_t>& bytes, fi::Box box, int out, bool crop_aware = true,
                   uint64_t max_pixels = 100'000'000) {
   return fi::decode(bytes.data(), bytes.size(), "test.jpg", {max_pixels, out, out, crop_aware},
@@ -168,15 +154,14 @@ TEST(ImageDecode, GrayJpegAndPngFormatsBecomeRgb) {
   // PNG: 8-bit gray+alpha, RGBA (alpha dropped, not composited), 16-bit RGB.
   std::vector<uint8_t> ga(static_cast<size_t>(w) * h * 2, 0);
   for (size_t i = 0; i < ga.size(); i += 2) ga[i] = 77;  // alpha 0: still 77, as Pillow keeps it
-  auto r =
-      fi::decode(encode_png(ga.data(), w, h, PNG_FORMAT_GA).data(),
-                 encode_png(ga.data(), w, h, PNG_FORMAT_GA).size(), "ga.png", {}, [](int, int) {
-                   return fi::Box{0, 0, 64, 48};
-                 });
+  const auto ga_png = ft::encode_png(ga.data(), w, h, PNG_FORMAT_GA);
+  auto r = fi::decode(ga_png.data(), ga_png.size(), "ga.png", {}, [](int, int) {
+    return fi::Box{0, 0, 64, 48};
+  });
   EXPECT_EQ(r.rgb[0], 77);
   EXPECT_EQ(r.rgb[1], 77);
   std::vector<uint16_t> deep(static_cast<size_t>(w) * h * 3, 0xffff);
-  auto bytes = encode_png(deep.data(), w, h, PNG_FORMAT_RGB | PNG_FORMAT_FLAG_LINEAR);
+  auto bytes = ft::encode_png(deep.data(), w, h, PNG_FORMAT_RGB | PNG_FORMAT_FLAG_LINEAR);
   auto d = fi::decode(bytes.data(), bytes.size(), "deep.png", {}, [](int, int) {
     return fi::Box{0, 0, 64, 48};
   });
@@ -218,7 +203,7 @@ TEST(ImageDecode, BadInputIsNamedAndBombsAreRefusedBeforeDecoding) {
             }),
             "test.jpg: 60000x60000 = 3600000000 pixels, more than max_pixels (100000000); "
             "refusing to decode (a decompression bomb?)");
-  auto png = encode_png(picture(32, 32).data(), 32, 32, PNG_FORMAT_RGB);
+  auto png = ft::encode_png(picture(32, 32).data(), 32, 32, PNG_FORMAT_RGB);
   png[40] ^= 0xff;  // inside IDAT: a bad checksum or bad data
   EXPECT_NE(ft::data_error_of([&] {
               fi::decode(png.data(), png.size(), "x.png", {}, [](int, int) {

@@ -40,18 +40,7 @@ Bytes jpeg(int w, int h, int seed) {
 }
 
 Bytes png(int w, int h, int seed) {
-  auto rgb = ft::gradient_picture(w, h, seed);
-  png_image img{};
-  img.version = PNG_IMAGE_VERSION;
-  img.width = static_cast<png_uint_32>(w);
-  img.height = static_cast<png_uint_32>(h);
-  img.format = PNG_FORMAT_RGB;
-  png_alloc_size_t size = 0;
-  EXPECT_NE(png_image_write_to_memory(&img, nullptr, &size, 0, rgb.data(), 0, nullptr), 0);
-  Bytes out(size);
-  EXPECT_NE(png_image_write_to_memory(&img, out.data(), &size, 0, rgb.data(), 0, nullptr), 0);
-  out.resize(size);
-  return out;
+  return ft::encode_png(ft::gradient_picture(w, h, seed).data(), w, h, PNG_FORMAT_RGB);
 }
 
 Bytes text(const std::string& s) {

@@ -1,8 +1,11 @@
-// Images made in the data tests: a smooth, colourful picture and its JPEG (libjpeg-turbo), the
-// bytes of a file, and the message of a DataError. One place, so every test encodes alike.
+// Images made in the data tests: a smooth, colourful picture, its JPEG (libjpeg-turbo) or PNG
+// (libpng), the bytes of a file, and the message of a DataError. One place, so every test encodes
+// alike.
 #pragma once
 
+#include <gtest/gtest.h>
 #include <jpeglib.h>
+#include <png.h>
 
 #include <cmath>
 #include <cstdint>
@@ -63,6 +66,22 @@ inline std::vector<unsigned char> encode_jpeg(const std::vector<uint8_t>& pixels
   jpeg_destroy_compress(&c);
   std::free(out);
   return bytes;
+}
+
+// `pixels` in libpng's `format` (PNG_FORMAT_RGB, _GA, ... | PNG_FORMAT_FLAG_LINEAR for 16 bits) as
+// a PNG.
+inline std::vector<uint8_t> encode_png(const void* pixels, int w, int h, uint32_t format) {
+  png_image img{};
+  img.version = PNG_IMAGE_VERSION;
+  img.width = static_cast<png_uint_32>(w);
+  img.height = static_cast<png_uint_32>(h);
+  img.format = format;
+  png_alloc_size_t size = 0;
+  EXPECT_NE(png_image_write_to_memory(&img, nullptr, &size, 0, pixels, 0, nullptr), 0);
+  std::vector<uint8_t> out(size);
+  EXPECT_NE(png_image_write_to_memory(&img, out.data(), &size, 0, pixels, 0, nullptr), 0);
+  out.resize(size);
+  return out;
 }
 
 // Writes `bytes` to `path`, creating its directory.
