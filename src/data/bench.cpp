@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "data/image/decode.hpp"
+#include "detail/fnv.hpp"
 #include "forkguard/data/image_folder.hpp"
 #include "forkguard/data/image_transform.hpp"
 #include "forkguard/data/tar_shards.hpp"
@@ -43,12 +44,6 @@ uint64_t proc_kb(pid_t pid, const char* file, const char* key) {
   return 0;
 }
 
-uint64_t fnv(const void* data, size_t n, uint64_t h) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
-  return h;
-}
-
 }  // namespace
 
 LoaderBenchResult run_loader_bench(const LoaderBenchOptions& o) {
@@ -64,7 +59,7 @@ LoaderBenchResult run_loader_bench(const LoaderBenchOptions& o) {
                               .shuffle = true});
   LoaderBenchResult r;
   const uint64_t total = static_cast<uint64_t>(o.epochs) * loader.size() * o.batch_size;
-  uint64_t h = 1469598103934665603ull;
+  uint64_t h = forkguard::detail::kFnvOffset;
   Clock::time_point first{};
   uint64_t after_first = 0;
   for (int e = 0; e < o.epochs; ++e) {
@@ -77,8 +72,8 @@ LoaderBenchResult run_loader_bench(const LoaderBenchOptions& o) {
       }
       r.images += b->size();
       if (o.digest) {
-        h = fnv(b->images_data(), b->images_bytes(), h);
-        h = fnv(b->labels(), b->size() * sizeof(int64_t), h);
+        h = forkguard::detail::fnv1a(b->images_data(), b->images_bytes(), h);
+        h = forkguard::detail::fnv1a(b->labels(), b->size() * sizeof(int64_t), h);
       }
       if (o.progress) o.progress(r.images, total);
     }

@@ -15,6 +15,7 @@
 #include <string_view>
 
 #include "detail/fd.hpp"
+#include "detail/fnv.hpp"
 #include "forkguard/data/error.hpp"
 
 namespace forkguard::data {
@@ -37,14 +38,11 @@ bool is_image(const fs::path& p) {
 constexpr size_t kListBudget = size_t(2) << 20;
 
 uint64_t digest_of(const std::vector<ImageFile>& files) {
-  uint64_t h = 1469598103934665603ull;
-  auto mix = [&h](const void* data, size_t n) {
-    const auto* b = static_cast<const unsigned char*>(data);
-    for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
-  };
+  uint64_t h = forkguard::detail::kFnvOffset;
   for (const auto& f : files) {
-    mix(f.path.data(), f.path.size() + 1);  // with the terminating NUL: "ab"+"c" != "a"+"bc"
-    mix(&f.label, sizeof f.label);
+    // With the terminating NUL: "ab" + "c" != "a" + "bc".
+    h = forkguard::detail::fnv1a(f.path.c_str(), f.path.size() + 1, h);
+    h = forkguard::detail::fnv1a(&f.label, sizeof f.label, h);
   }
   return h;
 }
