@@ -302,7 +302,7 @@ class LoaderImpl {
             *reinterpret_cast<uint32_t*>(slot.memory.data() + layout_.claim_offset))
             .store(0, std::memory_order_relaxed);  // published by the submit (a lock, a syscall)
       }
-      for (int part : parts) workers_->submit(part, Task{epoch_, b, slot.id, all, 0, shared});
+      for (int part : parts) workers_->submit(part, Task{epoch_, b, slot.id, all, shared});
       ++next_issue_;
     }
   }

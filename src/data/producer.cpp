@@ -99,7 +99,7 @@ void Producer::one(uint64_t epoch, size_t index, size_t pos, std::byte* slot, Ta
 }
 
 TaskResult Producer::run(uint64_t epoch, const std::vector<size_t>& indices, std::byte* slot,
-                         size_t first, bool shared) const {
+                         bool shared) const {
   TaskResult r;
   const size_t n = dataset_.size();
 
@@ -108,10 +108,10 @@ TaskResult Producer::run(uint64_t epoch, const std::vector<size_t>& indices, std
     // costs fall (the counter lives in the slot, visible to threads and processes alike).
     std::atomic_ref<uint32_t> claim(
         *reinterpret_cast<uint32_t*>(slot + config_.layout.claim_offset));
-    for (size_t k = shared ? claim.fetch_add(1, std::memory_order_relaxed) : 0; k < indices.size();
-         k = shared ? claim.fetch_add(1, std::memory_order_relaxed) : k + 1) {
-      const size_t index = indices[k];
-      const size_t pos = first + k;
+    for (size_t pos = shared ? claim.fetch_add(1, std::memory_order_relaxed) : 0;
+         pos < indices.size();
+         pos = shared ? claim.fetch_add(1, std::memory_order_relaxed) : pos + 1) {
+      const size_t index = indices[pos];
       try {
         one(epoch, index, pos, slot, r);
         continue;

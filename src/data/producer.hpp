@@ -52,10 +52,10 @@ class Producer {
   Producer(const Dataset& dataset, const Transform& transform, ProducerConfig config)
       : dataset_(dataset), transform_(transform), config_(config) {}
 
-  // Fills batch positions first, first + 1, ... of `slot` with the samples `indices`; or, when
-  // `shared`, the positions it claims from the slot's counter (other workers claim the rest).
+  // Fills batch position k of `slot` with sample indices[k], for every k; or, when `shared`, for
+  // the positions it claims from the slot's counter (other workers claim the rest).
   TaskResult run(uint64_t epoch, const std::vector<size_t>& indices, std::byte* slot,
-                 size_t first = 0, bool shared = false) const;
+                 bool shared = false) const;
   const ProducerConfig& config() const { return config_; }
 
  private:

@@ -39,7 +39,7 @@ struct Shared {
   std::vector<int> busy;         // per worker: the slot of its task in progress, or -1
   std::vector<bool> left;        // per worker: left behind by stop(now), its slot held
   std::vector<bool> exited;      // per worker: its thread has returned
-  std::condition_variable done;  // a task finished or a thread exited
+  std::condition_variable done;  // a thread exited
   std::condition_variable events_cv;
   std::deque<WorkerEvent> events;
 
@@ -101,7 +101,7 @@ void run(const std::shared_ptr<Shared>& sh, int w, WorkerInit init) {
     e.slot = task.slot;
     e.idle_ns = idle;
     try {
-      e.result = sh->producer.run(task.epoch, task.indices, base, task.first, task.shared);
+      e.result = sh->producer.run(task.epoch, task.indices, base, task.shared);
     } catch (const std::exception& ex) {  // not a sample's fault (those are caught per sample)
       e.result.kind = TaskResult::Kind::kInternal;
       e.result.message = ex.what();
@@ -112,7 +112,6 @@ void run(const std::shared_ptr<Shared>& sh, int w, WorkerInit init) {
       sh->busy[ws] = -1;
       was_left = sh->left[ws];
     }
-    sh->done.notify_all();
     if (was_left) {  // nobody waits for this batch: give its slot back to the pool, and stop
       setup.pool->unhold(task.slot);
       return;

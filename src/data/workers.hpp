@@ -24,8 +24,7 @@ struct Task {
   uint64_t epoch = 0;
   size_t batch = 0;
   int slot = 0;
-  std::vector<size_t> indices;
-  size_t first = 0;  // the batch position of indices[0] (a chunk of a batch split over workers)
+  std::vector<size_t> indices;  // the whole batch's, in position order
   // The batch is shared by several workers: `indices` is all of it, and each worker claims its
   // next position from the slot's counter (set to 0 by the loader) until none is left.
   bool shared = false;
