@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -565,6 +566,35 @@ TEST(Loader, TimeoutNamesTheBatchAndTheWorker) {
 
 // A process worker that never gets ready (its init hook hangs) fails the start within
 // start_timeout, naming it, and nothing is left behind.
+// A dataset whose description is too large for a worker's setup message (4 MiB): a clear error
+// naming the size at the first batch, not a worker waiting for a setup that never comes.
+class HugeDescription : public FlakyDataset {
+ public:
+  HugeDescription() : FlakyDataset({.size = 8, .sample_bytes = kBytes, .seed = 11}, {}) {}
+  std::optional<fd::Description> describe() const override {
+    auto d = FlakyDataset::describe();
+    d->params["padding"] = std::string(size_t(5) << 20, 'x');
+    return d;
+  }
+};
+
+TEST(Loader, ProcessWorkersWhoseSetupCannotBeSentFailNamingTheSize) {
+  const auto fds_before = ft::open_fds();
+  try {
+    fd::Loader loader(std::make_shared<HugeDescription>(), noise(),
+                      {.workers = 2,
+                       .worker_kind = fd::WorkerKind::kProcess,
+                       .process_start = fd::ProcessStart::kForkServer});
+    loader.next();
+    ADD_FAILURE() << "no error";
+  } catch (const fd::DataError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("cannot send process worker 0 its setup ("), std::string::npos) << msg;
+    EXPECT_NE(msg.find("at most 4194304 fit in one message"), std::string::npos) << msg;
+  }
+  expect_clean(fds_before);
+}
+
 TEST(Loader, ProcessWorkerThatNeverGetsReadyFailsWithinTheTimeout) {
   for (auto start : {fd::ProcessStart::kForkServer, fd::ProcessStart::kFork}) {
     const auto fds_before = ft::open_fds();
