@@ -260,6 +260,16 @@ class LoaderImpl {
     return [dev = device_](Slot& s) { dev->pin(s); };
   }
 
+  // Whether the slot's first task is starting now. Its images are then written through its fd, not
+  // its mapping (Producer::run): except by threads into a pinned slot, whose pages pinning has
+  // already allocated and mapped in this process.
+  bool take_fresh(Slot& slot) const {
+    const bool fresh = !slot.written &&
+                       !(slot.pinned && (o_.worker_kind == WorkerKind::kThread || o_.workers == 0));
+    slot.written = true;
+    return fresh;
+  }
+
   void issue() {
     if (!workers_) return;
     while (next_issue_ < batches_.size()) {
@@ -302,7 +312,8 @@ class LoaderImpl {
             *reinterpret_cast<uint32_t*>(slot.memory.data() + layout_.claim_offset))
             .store(0, std::memory_order_relaxed);  // published by the submit (a lock, a syscall)
       }
-      for (int part : parts) workers_->submit(part, Task{epoch_, b, slot.id, all, shared});
+      const bool fresh = take_fresh(slot);
+      for (int part : parts) workers_->submit(part, Task{epoch_, b, slot.id, all, shared, fresh});
       ++next_issue_;
     }
   }
@@ -312,7 +323,8 @@ class LoaderImpl {
     Producer producer(*ds_, *tf_, producer_config_);
     Pending p;
     p.slot = slot.id;
-    p.result = producer.run(epoch_, batches_[b], slot.memory.data());
+    p.result = producer.run(epoch_, batches_[b], slot.memory.data(), false,
+                            take_fresh(slot) ? slot.memory.fd() : -1);
     p.state =
         p.result.kind == TaskResult::Kind::kOk ? Pending::State::kDone : Pending::State::kFailed;
     stats_.read_seconds += seconds(p.result.read_ns);

@@ -106,7 +106,7 @@ int serve(int sock, const Producer& producer) {
     for (int fd : fds) {
       if (fd >= 0) ::close(fd);
     }
-    if (f.size() != 6 || f[0] != "task") continue;
+    if (f.size() != 7 || f[0] != "task") continue;
     uint64_t idle = static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - idle_from).count());
     const int slot = std::atoi(f[3].c_str());
@@ -119,7 +119,7 @@ int serve(int sock, const Producer& producer) {
       try {
         const auto& layout = producer.config().layout;
         r = producer.run(to_u64(f[1]), get_indices(to_u64(f[4]), it->second.data(), layout),
-                         it->second.data(), f[5] == "1");
+                         it->second.data(), f[5] == "1", f[6] == "1" ? it->second.fd() : -1);
       } catch (const std::exception& e) {  // not a sample's fault (those are caught per sample)
         r.kind = TaskResult::Kind::kInternal;
         r.message = e.what();
@@ -260,9 +260,9 @@ class ProcessWorkers : public Workers {
       put_indices(task.indices, setup_.pool->get(task.slot).memory.data(), setup_.producer.layout);
       indices_written_ = batch;
     }
-    if (!send_message(p.sock.get(),
-                      {"task", u64(task.epoch), u64(task.batch), std::to_string(task.slot),
-                       u64(task.indices.size()), task.shared ? "1" : "0"})) {
+    if (!send_message(p.sock.get(), {"task", u64(task.epoch), u64(task.batch),
+                                     std::to_string(task.slot), u64(task.indices.size()),
+                                     task.shared ? "1" : "0", task.fresh ? "1" : "0"})) {
       // A dead worker (EPIPE, ECONNRESET) is reported by wait(); anything else would leave the
       // batch waiting for a task its worker never got.
       if (errno != EPIPE && errno != ECONNRESET) {

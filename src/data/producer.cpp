@@ -2,12 +2,17 @@
 
 #include <fmt/format.h>
 #include <link.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <memory>
+#include <span>
 
 #include "detail/loaded_libraries.hpp"
 #include "forkguard/data/error.hpp"
@@ -74,7 +79,54 @@ void Producer::check_cuda(const char* stage_kind, size_t index) const {
       stage, index, dataset_.key(index), *state)};
 }
 
-void Producer::one(uint64_t epoch, size_t index, size_t pos, std::byte* slot, TaskResult& r) const {
+// Where a sample's image goes: straight into the slot, or through a private buffer and pwrite()
+// (see Producer::run).
+class Producer::ImageOutput {
+ public:
+  ImageOutput(std::byte* slot, const SlotLayout& l, int fresh_fd)
+      : slot_(slot), bytes_(l.sample_bytes) {
+    if (fresh_fd < 0) return;
+    // A file-size limit applies to memfds too (EFBIG, and SIGXFSZ): direct writes then.
+    rlimit fsize{};
+    if (::getrlimit(RLIMIT_FSIZE, &fsize) == 0 && fsize.rlim_cur != RLIM_INFINITY &&
+        fsize.rlim_cur < l.labels_offset) {
+      return;
+    }
+    fd_ = fresh_fd;
+    staging_.reset(new std::byte[bytes_]);  // not cleared: every byte is written before use
+  }
+
+  std::span<std::byte> at(size_t pos) {
+    return {fd_ >= 0 ? staging_.get() : slot_ + pos * bytes_, bytes_};
+  }
+
+  // After the image at(pos) is made. Never fails: pwrite trouble (the memfd's memory limit, say)
+  // falls back to the mapping, whose write faults would meet the same limit as they always did.
+  void commit(size_t pos) {
+    if (fd_ < 0) return;
+    size_t done = 0;
+    while (done < bytes_) {
+      ssize_t w = ::pwrite(fd_, staging_.get() + done, bytes_ - done,
+                           static_cast<off_t>(pos * bytes_ + done));
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) {
+        std::memcpy(slot_ + pos * bytes_ + done, staging_.get() + done, bytes_ - done);
+        fd_ = -1;
+        return;
+      }
+      done += static_cast<size_t>(w);
+    }
+  }
+
+ private:
+  std::byte* slot_;
+  size_t bytes_;
+  int fd_ = -1;
+  std::unique_ptr<std::byte[]> staging_;
+};
+
+void Producer::one(uint64_t epoch, size_t index, size_t pos, std::byte* slot, ImageOutput& out,
+                   TaskResult& r) const {
   const auto& l = config_.layout;
   auto t0 = Clock::now();
   Sample sample = dataset_.read(index);
@@ -88,9 +140,10 @@ void Producer::one(uint64_t epoch, size_t index, size_t pos, std::byte* slot, Ta
   }
   Rng rng(config_.seed, epoch, index);
   auto t1 = Clock::now();
-  transform_.apply(sample, std::span<std::byte>(slot + pos * l.sample_bytes, l.sample_bytes), rng);
+  transform_.apply(sample, out.at(pos), rng);
   r.transform_ns += ns_since(t1);
   check_cuda("transform", index);
+  out.commit(pos);
   int64_t label = sample.label;
   std::memcpy(slot + l.labels_offset + pos * sizeof(int64_t), &label, sizeof label);
   char* key = reinterpret_cast<char*>(slot + l.keys_offset + pos * l.key_bytes);
@@ -99,9 +152,10 @@ void Producer::one(uint64_t epoch, size_t index, size_t pos, std::byte* slot, Ta
 }
 
 TaskResult Producer::run(uint64_t epoch, const std::vector<size_t>& indices, std::byte* slot,
-                         bool shared) const {
+                         bool shared, int fresh_fd) const {
   TaskResult r;
   const size_t n = dataset_.size();
+  ImageOutput out(slot, config_.layout, fresh_fd);
 
   try {
     // Shared: claims one position at a time, so the workers finish together however the samples'
@@ -113,7 +167,7 @@ TaskResult Producer::run(uint64_t epoch, const std::vector<size_t>& indices, std
          pos = shared ? claim.fetch_add(1, std::memory_order_relaxed) : pos + 1) {
       const size_t index = indices[pos];
       try {
-        one(epoch, index, pos, slot, r);
+        one(epoch, index, pos, slot, out, r);
         continue;
       } catch (const CudaFound&) {
         throw;
@@ -135,7 +189,7 @@ TaskResult Producer::run(uint64_t epoch, const std::vector<size_t>& indices, std
                                            static_cast<uint64_t>(n));
           if (sub == index) continue;
           try {
-            one(epoch, sub, pos, slot, r);
+            one(epoch, sub, pos, slot, out, r);
             r.skipped.push_back({pos, index, dataset_.key(index), why, sub});
             replaced = true;
           } catch (const CudaFound&) {

@@ -57,6 +57,7 @@ struct Slot {
   int worker = 0;  // the worker whose slots it belongs to
   Mapping memory;
   bool pinned = false;
+  bool written = false;  // a task has filled it before (the loader's thread only)
 };
 
 // Every slot of a loader; shared with the batches so a batch outliving the loader keeps its

@@ -101,7 +101,8 @@ void run(const std::shared_ptr<Shared>& sh, int w, WorkerInit init) {
     e.slot = task.slot;
     e.idle_ns = idle;
     try {
-      e.result = sh->producer.run(task.epoch, task.indices, base, task.shared);
+      e.result = sh->producer.run(task.epoch, task.indices, base, task.shared,
+                                  task.fresh ? setup.pool->get(task.slot).memory.fd() : -1);
     } catch (const std::exception& ex) {  // not a sample's fault (those are caught per sample)
       e.result.kind = TaskResult::Kind::kInternal;
       e.result.message = ex.what();

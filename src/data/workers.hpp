@@ -28,6 +28,8 @@ struct Task {
   // The batch is shared by several workers: `indices` is all of it, and each worker claims its
   // next position from the slot's counter (set to 0 by the loader) until none is left.
   bool shared = false;
+  // No worker has written the slot's images yet: they go through its fd (Producer::run).
+  bool fresh = false;
 };
 
 struct WorkerEvent {
