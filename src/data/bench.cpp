@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -44,20 +45,12 @@ uint64_t proc_kb(pid_t pid, const char* file, const char* key) {
   return 0;
 }
 
-}  // namespace
-
-LoaderBenchResult run_loader_bench(const LoaderBenchOptions& o) {
-  auto ds = open_dataset(o.data, o.format);
-  auto tf = std::make_shared<ImageTransform>(ImageOptions{.train = true, .dtype = o.dtype});
+// The epochs of one loader: the rates, the first batch, the memory.
+void measure_epochs(const std::shared_ptr<Dataset>& ds, const std::shared_ptr<Transform>& tf,
+                    const LoaderOptions& options, const LoaderBenchOptions& o,
+                    LoaderBenchResult& r) {
   const auto t0 = Clock::now();
-  Loader loader(ds, tf,
-                LoaderOptions{.batch_size = o.batch_size,
-                              .workers = o.workers,
-                              .worker_kind = o.worker_kind,
-                              .bad_sample = o.bad_sample,
-                              .seed = o.seed,
-                              .shuffle = true});
-  LoaderBenchResult r;
+  Loader loader(ds, tf, options);
   const uint64_t total = static_cast<uint64_t>(o.epochs) * loader.size() * o.batch_size;
   uint64_t h = forkguard::detail::kFnvOffset;
   Clock::time_point first{};
@@ -93,6 +86,32 @@ LoaderBenchResult run_loader_bench(const LoaderBenchOptions& o) {
   r.stats = loader.stats();
   r.skipped = r.stats.skipped;
   if (o.digest) r.digest = fmt::format("{:016x}", h);
+}
+
+}  // namespace
+
+LoaderBenchResult run_loader_bench(const LoaderBenchOptions& o) {
+  auto ds = open_dataset(o.data, o.format);
+  auto tf = std::make_shared<ImageTransform>(ImageOptions{.train = true, .dtype = o.dtype});
+  const LoaderOptions options{.batch_size = o.batch_size,
+                              .workers = o.workers,
+                              .worker_kind = o.worker_kind,
+                              .bad_sample = o.bad_sample,
+                              .seed = o.seed,
+                              .shuffle = true};
+  LoaderBenchResult r;
+  measure_epochs(ds, tf, options, o, r);
+  for (int k = 0; k < o.fresh_loaders; ++k) {
+    const auto t0 = Clock::now();
+    Loader fresh(ds, tf, options);
+    if (!fresh.next()) break;  // an empty epoch (every sample skipped): nothing to time
+    r.fresh_first_batches.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  if (!r.fresh_first_batches.empty()) {
+    auto v = r.fresh_first_batches;
+    std::sort(v.begin(), v.end());
+    r.fresh_first_batch_seconds = v[v.size() / 2];
+  }
   return r;
 }
 

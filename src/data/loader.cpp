@@ -323,8 +323,8 @@ class LoaderImpl {
     Producer producer(*ds_, *tf_, producer_config_);
     Pending p;
     p.slot = slot.id;
-    p.result = producer.run(epoch_, batches_[b], slot.memory.data(), false,
-                            take_fresh(slot) ? slot.memory.fd() : -1);
+    p.result = producer.run(epoch_, batches_[b], slot.memory.data(),
+                            {.fresh_fd = take_fresh(slot) ? slot.memory.fd() : -1});
     p.state =
         p.result.kind == TaskResult::Kind::kOk ? Pending::State::kDone : Pending::State::kFailed;
     stats_.read_seconds += seconds(p.result.read_ns);

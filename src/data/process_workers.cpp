@@ -119,7 +119,8 @@ int serve(int sock, const Producer& producer) {
       try {
         const auto& layout = producer.config().layout;
         r = producer.run(to_u64(f[1]), get_indices(to_u64(f[4]), it->second.data(), layout),
-                         it->second.data(), f[5] == "1", f[6] == "1" ? it->second.fd() : -1);
+                         it->second.data(),
+                         {.shared = f[5] == "1", .fresh_fd = f[6] == "1" ? it->second.fd() : -1});
       } catch (const std::exception& e) {  // not a sample's fault (those are caught per sample)
         r.kind = TaskResult::Kind::kInternal;
         r.message = e.what();

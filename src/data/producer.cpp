@@ -152,10 +152,11 @@ void Producer::one(uint64_t epoch, size_t index, size_t pos, std::byte* slot, Im
 }
 
 TaskResult Producer::run(uint64_t epoch, const std::vector<size_t>& indices, std::byte* slot,
-                         bool shared, int fresh_fd) const {
+                         const How& how) const {
   TaskResult r;
   const size_t n = dataset_.size();
-  ImageOutput out(slot, config_.layout, fresh_fd);
+  const bool shared = how.shared;
+  ImageOutput out(slot, config_.layout, how.fresh_fd);
 
   try {
     // Shared: claims one position at a time, so the workers finish together however the samples'
@@ -165,6 +166,11 @@ TaskResult Producer::run(uint64_t epoch, const std::vector<size_t>& indices, std
     for (size_t pos = shared ? claim.fetch_add(1, std::memory_order_relaxed) : 0;
          pos < indices.size();
          pos = shared ? claim.fetch_add(1, std::memory_order_relaxed) : pos + 1) {
+      if (how.cancel != nullptr && how.cancel->load(std::memory_order_relaxed)) {
+        r.kind = TaskResult::Kind::kCancelled;
+        r.message = "abandoned: the workers are stopping";
+        return r;
+      }
       const size_t index = indices[pos];
       try {
         one(epoch, index, pos, slot, out, r);

@@ -2,6 +2,7 @@
 // consumer's thread, worker threads, process workers), so the bytes cannot depend on the kind.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -26,7 +27,8 @@ struct ProducerConfig {
 struct TaskResult {
   // kData: a bad sample (the batch is lost, the epoch goes on); kInternal: the task failed outside
   // any sample (the worker is stopped, as for a death); kCuda: the worker gained CUDA state.
-  enum class Kind { kOk, kData, kInternal, kCuda };
+  // kCancelled: abandoned between samples (the pool is stopping).
+  enum class Kind { kOk, kData, kInternal, kCuda, kCancelled };
   Kind kind = Kind::kOk;
   std::string message;  // what failed, naming the sample where there is one
   size_t index = 0;     // the failing sample
@@ -52,14 +54,22 @@ class Producer {
   Producer(const Dataset& dataset, const Transform& transform, ProducerConfig config)
       : dataset_(dataset), transform_(transform), config_(config) {}
 
-  // Fills batch position k of `slot` with sample indices[k], for every k; or, when `shared`, for
-  // the positions it claims from the slot's counter (other workers claim the rest).
-  // `fresh_fd` >= 0: the slot's memfd, whose image pages nobody has written yet. The images are
-  // then made in a private buffer and written with pwrite(), which allocates the pages without
-  // mapping them here: a fresh shared page costs about 1 us that way against 3 us by a write
-  // fault (on a VM), and the first batch of a loader writes 9400 of them.
+  struct How {
+    // The batch is shared: fill the positions claimed from the slot's counter (other workers
+    // claim the rest), not every one.
+    bool shared = false;
+    // >= 0: the slot's memfd, whose image pages nobody has written yet. The images are then made
+    // in a private buffer and written with pwrite(), which allocates the pages without mapping
+    // them here: a fresh shared page costs about 1 us that way against 3 us by a write fault (on
+    // a VM), and the first batch of a loader writes 9400 of them.
+    int fresh_fd = -1;
+    // Set: the task is abandoned before its next sample (kCancelled).
+    const std::atomic<bool>* cancel = nullptr;
+  };
+
+  // Fills batch position k of `slot` with sample indices[k], for every k (or those it claims).
   TaskResult run(uint64_t epoch, const std::vector<size_t>& indices, std::byte* slot,
-                 bool shared = false, int fresh_fd = -1) const;
+                 const How& how) const;
   const ProducerConfig& config() const { return config_; }
 
  private:

@@ -1,6 +1,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -42,6 +43,7 @@ struct Shared {
   std::condition_variable done;  // a thread exited
   std::condition_variable events_cv;
   std::deque<WorkerEvent> events;
+  std::atomic<bool> cancel{false};  // stop(now): tasks end before their next sample
 
   void post(WorkerEvent e) {
     {
@@ -101,8 +103,11 @@ void run(const std::shared_ptr<Shared>& sh, int w, WorkerInit init) {
     e.slot = task.slot;
     e.idle_ns = idle;
     try {
-      e.result = sh->producer.run(task.epoch, task.indices, base, task.shared,
-                                  task.fresh ? setup.pool->get(task.slot).memory.fd() : -1);
+      e.result =
+          sh->producer.run(task.epoch, task.indices, base,
+                           {.shared = task.shared,
+                            .fresh_fd = task.fresh ? setup.pool->get(task.slot).memory.fd() : -1,
+                            .cancel = &sh->cancel});
     } catch (const std::exception& ex) {  // not a sample's fault (those are caught per sample)
       e.result.kind = TaskResult::Kind::kInternal;
       e.result.message = ex.what();
@@ -168,8 +173,9 @@ class ThreadWorkers : public Workers {
   }
 
   // A thread cannot be killed. Gracefully, each finishes its task and returns. `now` (a timeout,
-  // a failure, the loader's destruction): a thread still in its task after a short grace is left
-  // behind, its slot held out of the pool until the task returns, so that nothing waits for it.
+  // a failure, the loader's destruction): each abandons its task before its next sample; a thread
+  // still in a sample after a short grace (a transform that hangs) is left behind, its slot held
+  // out of the pool until the sample returns, so that nothing waits for it.
   void stop(bool now = false) override {
     {
       std::lock_guard lock(sh_->mutex);
@@ -177,6 +183,7 @@ class ThreadWorkers : public Workers {
     }
     sh_->work.notify_all();
     if (now) {
+      sh_->cancel.store(true, std::memory_order_relaxed);
       std::unique_lock lock(sh_->mutex);
       const auto until = Clock::now() + kStopGrace;
       for (size_t w = 0; w < threads_.size(); ++w) {

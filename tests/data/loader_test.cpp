@@ -700,6 +700,31 @@ TEST(Loader, TimeoutWithAThreadStuckInATransformFiresAndTheLoaderGoesOn) {
   }
 }
 
+TEST(Loader, ALoaderDestroyedMidEpochLeavesNoThreadWorkingOnItsBatches) {
+  // Thread workers drop their batches between samples when the loader goes: none is left behind
+  // finishing a batch nobody will read, taking the cores from whatever the program does next.
+  const std::string trace = ::testing::TempDir() + "/forkguard-abandoned-trace";
+  std::remove(trace.c_str());
+  NoiseOptions slow{.sleep_ms = 10, .trace = trace};
+  slow.bytes = kBytes;
+  auto lines = [&] {
+    std::ifstream in(trace);
+    return std::count(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>(), '\n');
+  };
+  std::optional<fd::Loader> loader;
+  loader.emplace(dataset(400), std::make_shared<NoiseTransform>(slow),
+                 fd::LoaderOptions{.batch_size = 32, .workers = 2, .prefetch = 2});
+  ASSERT_TRUE(loader->next());
+  const auto t0 = Clock::now();
+  loader.reset();
+  const auto destruction = Clock::now() - t0;
+  const auto after = lines();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // a batch takes 320 ms a thread
+  EXPECT_EQ(lines(), after) << "a thread went on filling a batch of a destroyed loader";
+  EXPECT_LT(destruction, std::chrono::milliseconds(200));
+  std::remove(trace.c_str());
+}
+
 TEST(Loader, ProcessWorkersFromTheForkServerWorkAfterThisProcessInitializedCuda) {
   const auto& drv = init_cuda_here();
   auto reference = hashes({.batch_size = 16, .seed = 4}, 1);

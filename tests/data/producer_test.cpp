@@ -65,7 +65,7 @@ struct Fixture {
   // The bytes of a slot filled through its mapping.
   std::vector<std::byte> reference() const {
     fdd::Mapping m = fdd::create_shared(config.layout.total, "producer-test");
-    auto r = producer.run(1, indices, m.data());
+    auto r = producer.run(1, indices, m.data(), {});
     EXPECT_EQ(r.kind, fdd::TaskResult::Kind::kOk) << r.message;
     return batch_bytes(m);
   }
@@ -74,7 +74,7 @@ struct Fixture {
 TEST(Producer, AFreshSlotsImagesAreWrittenWithoutBeingMappedHere) {
   Fixture f;
   fdd::Mapping m = fdd::create_shared(f.config.layout.total, "producer-test");
-  auto r = f.producer.run(1, f.indices, m.data(), false, m.fd());
+  auto r = f.producer.run(1, f.indices, m.data(), {.fresh_fd = m.fd()});
   ASSERT_EQ(r.kind, fdd::TaskResult::Kind::kOk) << r.message;
   // Only the labels' and keys' pages are mapped: 16 images of 64 KiB are not.
   EXPECT_LE(mapped_bytes(m.data()), f.config.layout.total - f.config.layout.labels_offset);
@@ -85,8 +85,9 @@ TEST(Producer, AFreshSlotSharedByTwoThreadsHoldsEverySampleOnce) {
   Fixture f;
   fdd::Mapping m = fdd::create_shared(f.config.layout.total, "producer-test");
   fdd::TaskResult a, b;
-  std::thread other([&] { b = f.producer.run(1, f.indices, m.data(), true, m.fd()); });
-  a = f.producer.run(1, f.indices, m.data(), true, m.fd());
+  std::thread other(
+      [&] { b = f.producer.run(1, f.indices, m.data(), {.shared = true, .fresh_fd = m.fd()}); });
+  a = f.producer.run(1, f.indices, m.data(), {.shared = true, .fresh_fd = m.fd()});
   other.join();
   ASSERT_EQ(a.kind, fdd::TaskResult::Kind::kOk) << a.message;
   ASSERT_EQ(b.kind, fdd::TaskResult::Kind::kOk) << b.message;
@@ -102,7 +103,7 @@ TEST(Producer, AFreshSlotThatRefusesWritesIsFilledThroughItsMapping) {
   fdd::Mapping m(fd, f.config.layout.total);
   ASSERT_EQ(::fcntl(fd, F_ADD_SEALS, F_SEAL_FUTURE_WRITE), 0) << std::strerror(errno);
   ASSERT_LT(::pwrite(fd, "x", 1, 0), 0);
-  auto r = f.producer.run(1, f.indices, m.data(), false, fd);
+  auto r = f.producer.run(1, f.indices, m.data(), {.fresh_fd = fd});
   ASSERT_EQ(r.kind, fdd::TaskResult::Kind::kOk) << r.message;
   EXPECT_TRUE(f.batch_bytes(m) == f.reference());
 }
@@ -118,7 +119,7 @@ TEST(Producer, AFileSizeLimitBelowTheSlotKeepsWritesInTheMapping) {
   if (pid == 0) {
     rlimit small{4096, 4096};
     if (::setrlimit(RLIMIT_FSIZE, &small) != 0) ::_exit(10);
-    auto r = f.producer.run(1, f.indices, m.data(), false, m.fd());
+    auto r = f.producer.run(1, f.indices, m.data(), {.fresh_fd = m.fd()});
     ::_exit(r.kind == fdd::TaskResult::Kind::kOk ? 0 : 11);
   }
   int status = 0;
