@@ -60,13 +60,21 @@ TEST(BenchLoaderCli, DigestIsTheSameForEveryWorkerCountAndKind) {
   EXPECT_GT(ref["images_per_second"].get<double>(), 0);
   EXPECT_GT(ref["first_batch_seconds"].get<double>(), 0);
   EXPECT_GT(ref["peak_rss_bytes"].get<double>(), 0);
+  // Three fresh loaders after the epochs, each timed to its first batch; the median reported.
+  auto fresh = ref["fresh_first_batches_seconds"].get<std::vector<double>>();
+  ASSERT_EQ(fresh.size(), 3u);
+  std::sort(fresh.begin(), fresh.end());
+  EXPECT_GT(fresh[0], 0);
+  EXPECT_EQ(ref["fresh_first_batch_seconds"].get<double>(), fresh[1]);
   for (auto extra : std::vector<std::vector<std::string>>{
            {"--workers", "2"},
            {"--workers", "2", "--worker-kind", "process"},
            {"--workers", "1", "--worker-kind", "process", "--dtype", "float32"}}) {
     EXPECT_EQ(bench(root, extra)["digest"], ref["digest"]) << extra[1];
   }
-  EXPECT_NE(bench(root, {"--dtype", "uint8"})["digest"], ref["digest"]);
+  auto u8 = bench(root, {"--dtype", "uint8", "--fresh-loaders", "0"});
+  EXPECT_NE(u8["digest"], ref["digest"]);
+  EXPECT_TRUE(u8["fresh_first_batches_seconds"].empty());
 }
 
 // Memory is flat across epochs: what the loader and its workers hold after the first epoch (slots,

@@ -139,6 +139,7 @@ struct BenchFlags {
   std::string bad_sample = "error";
   bool digest = false;
   bool json = false;
+  int fresh_loaders = 3;
 };
 
 forkguard::data::DatasetFormat format_of(const std::string& f) {
@@ -160,6 +161,7 @@ int bench_loader(const BenchFlags& f) {
   o.dtype = f.dtype == "uint8" ? fd::DType::kUInt8 : fd::DType::kFloat32;
   o.bad_sample = f.bad_sample == "skip" ? fd::BadSample::kSkip : fd::BadSample::kError;
   o.digest = f.digest;
+  o.fresh_loaders = f.fresh_loaders;
   const bool bar = ::isatty(2) != 0;
   if (bar) {
     o.progress = [start = std::chrono::steady_clock::now()](uint64_t done, uint64_t total) {
@@ -176,6 +178,7 @@ int bench_loader(const BenchFlags& f) {
   if (f.json) {
     nlohmann::ordered_json j{{"images_per_second", r.images_per_second},
                              {"first_batch_seconds", r.first_batch_seconds},
+                             {"fresh_first_batch_seconds", r.fresh_first_batch_seconds},
                              {"peak_rss_bytes", r.peak_rss_bytes},
                              {"images", r.images},
                              {"skipped", r.skipped}};
@@ -186,6 +189,7 @@ int bench_loader(const BenchFlags& f) {
     j["transform_seconds"] = r.stats.transform_seconds;
     j["consumer_wait_seconds"] = r.stats.consumer_wait_seconds;
     j["epoch_pss_bytes"] = r.epoch_pss_bytes;
+    j["fresh_first_batches_seconds"] = r.fresh_first_batches;
     fmt::print("{}\n", j.dump());
     return 0;
   }
@@ -198,6 +202,12 @@ int bench_loader(const BenchFlags& f) {
       "consumer wait {:.2f} s\n",
       f.workers, f.worker_kind, r.stats.read_seconds, r.stats.transform_seconds,
       r.stats.consumer_wait_seconds);
+  if (!r.fresh_first_batches.empty()) {
+    fmt::print(
+        "  first batch of a fresh loader on running cores: {:.3f} s (median of {}; the first "
+        "loader's started on idle cores)\n",
+        r.fresh_first_batch_seconds, r.fresh_first_batches.size());
+  }
   std::string pss;
   for (uint64_t b : r.epoch_pss_bytes)
     pss += fmt::format("{}{:.1f}", pss.empty() ? "" : " / ", b / 1e6);
@@ -339,6 +349,11 @@ int main(int argc, char** argv) {
   bl->add_option("--bad-sample", bf.bad_sample, "error | skip")
       ->check(CLI::IsMember({"error", "skip"}))
       ->capture_default_str();
+  bl->add_option("--fresh-loaders", bf.fresh_loaders,
+                 "After the epochs, build this many fresh loaders one after another and time "
+                 "each one's first batch (new workers and slots, on running cores)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   bl->add_flag("--digest", bf.digest,
                "Print a hash of every batch in delivery order (the same for any number or kind "
                "of workers)");

@@ -25,6 +25,8 @@ struct LoaderBenchOptions {
   BadSample bad_sample = BadSample::kError;
   uint64_t seed = 0;
   bool digest = false;  // hash every batch, in delivery order
+  // Loaders built one after another once the epochs are done, each timed to its first batch.
+  int fresh_loaders = 3;
   // Called after each batch with (images so far, images in all epochs).
   std::function<void(uint64_t done, uint64_t total)> progress{};
 };
@@ -32,6 +34,12 @@ struct LoaderBenchOptions {
 struct LoaderBenchResult {
   double images_per_second = 0;    // after the first batch
   double first_batch_seconds = 0;  // from the loader's construction
+  // The median first batch of the fresh loaders (new workers, new slots) built after the epochs,
+  // on cores that are running: first_batch_seconds starts from cores that may have been idle for
+  // seconds (on a VM, idle vCPUs take tens of ms to come back up to speed; docs/performance.md).
+  // 0 without fresh loaders.
+  double fresh_first_batch_seconds = 0;
+  std::vector<double> fresh_first_batches;
   // This process's peak RSS plus each process worker's (VmHWM): an upper bound, since the shared
   // slots count in every process that touched them.
   uint64_t peak_rss_bytes = 0;
