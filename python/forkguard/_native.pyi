@@ -51,7 +51,8 @@ class DLTensor:
     any tensor made from it lives."""
 
     def __dlpack__(self, stream: Optional[int] = ...) -> Any:
-        """A new "dltensor" capsule over the same memory (device batches: after their copy)."""
+        """A new "dltensor" capsule over the same memory (device batches: after their copy; the
+        consumer's `stream` is recorded, so the buffer is reused only after work queued there)."""
     def __dlpack_device__(self) -> Tuple[int, int]:
         """(1, 0) on the host (kDLCPU), (2, ordinal) on a GPU (kDLCUDA)."""
     @property

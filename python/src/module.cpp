@@ -129,12 +129,17 @@ class DLTensor_ {
   }
 
   py::capsule dlpack(py::object stream) const {
-    (void)stream;
     if (batch_.placement() == fd::Placement::kDevice) {
-      // The copy was enqueued on the loader's stream; waiting for it on the host is correct on
-      // any consumer stream (and cheap: the loader copies ahead).
+      // DLPack's `stream`: the consumer's stream (None: the legacy default stream, 1; -1: the
+      // consumer synchronizes itself). The copy was enqueued on the loader's stream; waiting for
+      // it on the host is correct on any consumer stream (and cheap: the loader copies ahead).
+      // The consumer's stream is recorded: the device buffer is reused only after the work
+      // queued there by the time the batch is released (torch.from_dlpack passes its current
+      // stream).
+      const long long s = stream.is_none() ? 1 : stream.cast<long long>();
       py::gil_scoped_release release;
       batch_.synchronize();
+      if (s > 0) batch_.record_stream(static_cast<uintptr_t>(s));
     }
     DLManagedTensor* t = export_tensor();
     PyObject* cap = PyCapsule_New(t, "dltensor", &capsule_destructor);

@@ -1,5 +1,8 @@
 #include "forkguard/data/batch.hpp"
 
+#include <algorithm>
+#include <mutex>
+
 #include "data/batch_storage.hpp"
 #include "forkguard/data/error.hpp"
 
@@ -78,6 +81,15 @@ uintptr_t Batch::stream() const {
 
 void Batch::synchronize() const {
   if (s().device) s().device->wait(s().buffer);
+}
+
+void Batch::record_stream(uintptr_t stream) const {
+  const auto& st = s();
+  if (!st.device) return;
+  std::lock_guard lock(st.streams_mutex);
+  if (std::find(st.streams.begin(), st.streams.end(), stream) == st.streams.end()) {
+    st.streams.push_back(stream);
+  }
 }
 
 void* Batch::images_data() const {

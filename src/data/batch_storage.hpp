@@ -2,7 +2,9 @@
 // metadata, and the way back to the pools. Destroyed when the last handle or DLPack tensor goes.
 #pragma once
 
+#include <cstdint>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "data/device.hpp"
@@ -29,6 +31,9 @@ struct BatchStorage {
   int buffer = -1;
   std::vector<int64_t> labels_copy;
   std::vector<char> keys_copy;
+  // Batch::record_stream: other streams reading the buffer (a handle may be const).
+  mutable std::mutex streams_mutex;
+  mutable std::vector<uintptr_t> streams;
 
   void* images = nullptr;  // host pointer or CUdeviceptr
   const int64_t* labels = nullptr;
@@ -40,7 +45,7 @@ struct BatchStorage {
   BatchStorage& operator=(const BatchStorage&) = delete;
   ~BatchStorage() {
     if (pool && slot >= 0) pool->release(slot);
-    if (device && buffer >= 0) device->release(buffer);
+    if (device && buffer >= 0) device->release(buffer, streams);
   }
 };
 

@@ -28,6 +28,7 @@ DeviceStage::~DeviceStage() {
   api.cuStreamSynchronize(stream_);
   for (auto& b : buffers_) {
     api.cuEventDestroy_v2(b->event);
+    for (CUevent e : b->after_users) api.cuEventDestroy_v2(e);
     api.cuMemFree_v2(b->images);
     api.cuMemFree_v2(b->labels);
   }
@@ -81,9 +82,37 @@ int DeviceStage::acquire(bool grow) {
   return id;
 }
 
-void DeviceStage::release(int buffer) {
+void DeviceStage::release(int buffer, const std::vector<uintptr_t>& users) noexcept {
   std::lock_guard lock(mutex_);
-  buffers_[static_cast<size_t>(buffer)]->free = true;
+  Buffer& b = *buffers_[static_cast<size_t>(buffer)];
+  b.pending = 0;
+  if (!users.empty()) {
+    // Any thread may release (a tensor's deleter): the context is made current here. Whatever
+    // fails, the buffer must not be reused while the users may still read it: the fallback is to
+    // wait for their streams on the host, here.
+    const auto& api = driver_.api();
+    const bool bound = api.cuCtxSetCurrent(context_) == CUDA_SUCCESS;
+    for (uintptr_t u : users) {
+      auto stream = reinterpret_cast<CUstream>(u);
+      if (bound && b.pending == b.after_users.size()) {
+        CUevent e = nullptr;
+        if (api.cuEventCreate(&e, 0x2 /* CU_EVENT_DISABLE_TIMING */) == CUDA_SUCCESS) {
+          try {
+            b.after_users.push_back(e);
+          } catch (...) {
+            api.cuEventDestroy_v2(e);
+          }
+        }
+      }
+      if (bound && b.pending < b.after_users.size() &&
+          api.cuEventRecord(b.after_users[b.pending], stream) == CUDA_SUCCESS) {
+        ++b.pending;
+      } else {
+        api.cuStreamSynchronize(stream);
+      }
+    }
+  }
+  b.free = true;
 }
 
 void DeviceStage::copy(const Slot& slot, int buffer, size_t count) {
@@ -94,6 +123,12 @@ void DeviceStage::copy(const Slot& slot, int buffer, size_t count) {
     b = buffers_[static_cast<size_t>(buffer)].get();
   }
   bind();
+  // Work on other streams that read the buffer's previous batch (Batch::record_stream) comes
+  // first.
+  for (; b->pending > 0; --b->pending) {
+    driver_.check(api.cuStreamWaitEvent(stream_, b->after_users[b->pending - 1], 0),
+                  "cuStreamWaitEvent");
+  }
   driver_.check(api.cuMemcpyHtoDAsync_v2(b->images, slot.memory.data(),
                                          count * layout_.sample_bytes, stream_),
                 "cuMemcpyHtoDAsync_v2");

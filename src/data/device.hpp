@@ -30,7 +30,9 @@ class DeviceStage {
 
   // A free device buffer, a new one when `grow` (the consumer holds the others), or -1.
   int acquire(bool grow);
-  void release(int buffer);  // any thread
+  // Any thread. `users`: streams whose work (enqueued so far) reads the buffer: an event is
+  // recorded on each, and the buffer's next copy waits for them on the device.
+  void release(int buffer, const std::vector<uintptr_t>& users = {}) noexcept;
   // Enqueues the copy of the slot's first `count` samples and labels into `buffer`, then records
   // the buffer's event.
   void copy(const Slot& slot, int buffer, size_t count);
@@ -49,6 +51,8 @@ class DeviceStage {
     CUdeviceptr labels = 0;
     CUevent event = nullptr;
     bool free = true;
+    std::vector<CUevent> after_users;  // recorded at release on the users' streams
+    size_t pending = 0;                // how many of them the next copy waits for
   };
   void bind() const;
   int create_buffer();  // mutex_ held

@@ -865,6 +865,51 @@ TEST(Loader, DeviceHandOffCopiesExactBytesAndReusesSlotsOnlyAfterTheCopy) {
   EXPECT_LE(loader.stats().slots, 6u);
 }
 
+TEST(Loader, DeviceBatchesRecordedOnAnotherStreamAreReusedOnlyAfterItsWork) {
+  // The consumer copies each batch back on its own stream and releases the batch at once; the test
+  // driver performs that copy only when it completes (15 ms later) or its stream is synchronized.
+  // A device buffer reused before that work ran would hand the consumer a later batch's bytes:
+  // record_stream() makes the loader's next copy into the buffer wait for it.
+  ::setenv("FAKE_CUDA_COPY_DELAY_MS", "15", 1);
+  ft::TempDir dir;
+  ::setenv("FAKE_CUDA_DEV_DIR", dir.path().c_str(), 1);
+  const auto& drv = init_cuda_here();
+  const auto& api = drv.api();
+  const fd::LoaderOptions base{.batch_size = 16, .workers = 2, .seed = 8, .shuffle = true};
+  std::vector<uint64_t> reference;
+  {
+    fd::Loader host(dataset(), noise(), base);
+    while (auto b = host.next()) reference.push_back(fnv(b->images_data(), b->images_bytes()));
+  }
+  auto o = base;
+  o.device.enabled = true;
+  for (bool record : {true, false}) {
+    fd::Loader loader(dataset(), noise(), o);
+    forkguard::cuda::CUstream mine = nullptr;
+    ASSERT_EQ(api.cuStreamCreate(&mine, 0x1), forkguard::cuda::CUDA_SUCCESS);
+    std::vector<std::vector<char>> back;
+    while (auto b = loader.next()) {
+      b->synchronize();
+      back.emplace_back(b->images_bytes());
+      ASSERT_EQ(
+          api.cuMemcpyDtoHAsync_v2(back.back().data(),
+                                   reinterpret_cast<forkguard::cuda::CUdeviceptr>(b->images_data()),
+                                   b->images_bytes(), mine),
+          forkguard::cuda::CUDA_SUCCESS);
+      if (record) b->record_stream(reinterpret_cast<uintptr_t>(mine));
+    }  // each batch released with its copy still queued on `mine`
+    ASSERT_EQ(api.cuStreamSynchronize(mine), forkguard::cuda::CUDA_SUCCESS);
+    api.cuStreamDestroy_v2(mine);
+    std::vector<uint64_t> got;
+    for (const auto& h : back) got.push_back(fnv(h.data(), h.size()));
+    if (record) {
+      EXPECT_EQ(got, reference);
+    } else {  // the test can tell: without it the buffers are overwritten under the copies
+      EXPECT_NE(got, reference);
+    }
+  }
+}
+
 int main(int argc, char** argv) {
   forkguard::init(argc, argv);
   ::testing::InitGoogleTest(&argc, argv);

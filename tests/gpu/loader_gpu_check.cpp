@@ -66,9 +66,50 @@ int main(int argc, char** argv) {
       }
     }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    fmt::print("loader-gpu ok {} batches, {:.2f} GB/s to the device (copy-back included)\n", n,
-               static_cast<double>(bytes) / s / 1e9);
-    return n == expected.size() ? 0 : 1;
+    if (n != expected.size()) {
+      fmt::print("loader-gpu FAIL {} device batches, {} expected\n", n, expected.size());
+      return 1;
+    }
+    // record_stream: each batch is copied back on a stream of ours (into pinned memory: truly
+    // asynchronous) and released at once; the loader's later copies into the same device buffer
+    // must wait for those copies. Compared after one synchronize at the end.
+    const size_t per_epoch = expected.size() / 2;
+    std::vector<std::vector<unsigned char>> later(per_epoch,
+                                                  std::vector<unsigned char>(expected[0].size()));
+    for (auto& h : later) {
+      drv.check(drv.api().cuMemHostRegister_v2(h.data(), h.size(), 0), "cuMemHostRegister_v2");
+    }
+    CUstream mine = nullptr;
+    drv.check(drv.api().cuStreamCreate(&mine, kCuStreamNonBlocking), "cuStreamCreate");
+    {
+      fd::Loader again(ds, tf, o);
+      size_t k = 0;
+      while (auto b = again.next()) {
+        if (k >= per_epoch) break;
+        b->synchronize();
+        drv.check(drv.api().cuMemcpyDtoHAsync_v2(later[k].data(),
+                                                 reinterpret_cast<CUdeviceptr>(b->images_data()),
+                                                 b->images_bytes(), mine),
+                  "cuMemcpyDtoHAsync_v2");
+        b->record_stream(reinterpret_cast<uintptr_t>(mine));
+        ++k;
+      }
+      drv.check(drv.api().cuStreamSynchronize(mine), "cuStreamSynchronize");
+    }
+    for (size_t k = 0; k < per_epoch; ++k) {
+      if (later[k] != expected[k]) {
+        fmt::print("loader-gpu FAIL record_stream: batch {} read back on another stream differs\n",
+                   k);
+        return 1;
+      }
+      drv.check(drv.api().cuMemHostUnregister(later[k].data()), "cuMemHostUnregister");
+    }
+    drv.api().cuStreamDestroy_v2(mine);
+    fmt::print(
+        "loader-gpu ok {} batches, {:.2f} GB/s to the device (copy-back included); "
+        "record_stream ok\n",
+        n, static_cast<double>(bytes) / s / 1e9);
+    return 0;
   } catch (const std::exception& e) {
     fmt::print("loader-gpu FAIL {}\n", e.what());
     return 1;

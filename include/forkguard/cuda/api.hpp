@@ -108,6 +108,7 @@ inline constexpr unsigned kNvmlDriverVersionBufferSize =
   X(cuStreamCreate, CUresult, (CUstream * stream, unsigned int flags))                           \
   X(cuStreamDestroy_v2, CUresult, (CUstream stream))                                             \
   X(cuStreamSynchronize, CUresult, (CUstream stream))                                            \
+  X(cuStreamWaitEvent, CUresult, (CUstream stream, CUevent event, unsigned int flags))           \
   X(cuEventCreate, CUresult, (CUevent * event, unsigned int flags))                              \
   X(cuEventRecord, CUresult, (CUevent event, CUstream stream))                                   \
   X(cuEventQuery, CUresult, (CUevent event))                                                     \

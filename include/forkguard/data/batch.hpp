@@ -10,7 +10,8 @@
 // A Batch is a cheap handle (copies share the memory). The memory stays valid while a Batch
 // handle or an exported DLPack tensor lives; when the last one goes (the tensor's deleter runs),
 // the slot returns to the loader for reuse. Device batches: the copy was enqueued on stream();
-// work on another stream must wait for it (synchronize() waits on the host).
+// work on another stream must wait for it (synchronize() waits on the host), and work that may
+// still run after the batch is released must be named with record_stream().
 //
 // Thread-safety: handles and tensors may be released from any thread; one handle is not to be
 // used from two threads at once.
@@ -60,6 +61,12 @@ class Batch {
   int device() const;        // the CUDA ordinal for kDevice, -1 on the host
   uintptr_t stream() const;  // the CUstream the copy was enqueued on; 0 on the host
   void synchronize() const;  // waits until the device copy is complete (no-op on the host)
+  // Work enqueued on `stream` (a CUstream of this device's primary context, or CU_STREAM_LEGACY
+  // / CU_STREAM_PER_THREAD) reads this device batch, as PyTorch's Tensor.record_stream says: when
+  // the batch is released, the loader records an event on `stream`, and its next copy into this
+  // device memory waits for it (cuStreamWaitEvent), so work still queued there reads this batch's
+  // bytes, not the next's. No-op on the host.
+  void record_stream(uintptr_t stream) const;
 
   // Images: [size, spec.shape...] of spec.dtype; a host pointer or a CUdeviceptr.
   void* images_data() const;

@@ -425,6 +425,18 @@ int copy_delay_ms() {
   return v == nullptr ? 0 : std::atoi(v);
 }
 
+// CU_STREAM_LEGACY (0x1) and CU_STREAM_PER_THREAD (0x2) are the synchronous null stream here.
+CUstream own(CUstream s) {
+  return reinterpret_cast<uintptr_t>(s) <= 2 ? nullptr : s;
+}
+
+void enqueue(CUstream s, char* dst, const char* src, size_t bytes, int delay_ms) {
+  std::lock_guard lock(s->mutex);
+  s->queue.push_back({dst, src, bytes,
+                      std::chrono::steady_clock::now() + std::chrono::milliseconds(delay_ms),
+                      ++s->enqueued});
+}
+
 // Performs the queued copies up to `seq`: those already due, or (block) all of them, waiting.
 void flush(CUstream s, uint64_t seq, bool block) {
   std::lock_guard lock(s->mutex);
@@ -445,6 +457,7 @@ void flush(CUstream s, uint64_t seq, bool block) {
 // Host-backed: without FAKE_CUDA_COPY_DELAY_MS an "async" copy completes before it returns,
 // which is one legal schedule; with it, the copy happens when it completes.
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream) {
+  stream = own(stream);
   const int delay = copy_delay_ms();
   if (delay <= 0 || stream == nullptr) return copy_htod("cuMemcpyHtoDAsync_v2", dst, src, bytes);
   FAKE_REQUIRE_INIT("cuMemcpyHtoDAsync_v2");
@@ -455,14 +468,35 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t bytes, CU
       return done("cuMemcpyHtoDAsync_v2", CUDA_ERROR_INVALID_VALUE);
     }
   }
-  std::lock_guard lock(stream->mutex);
-  stream->queue.push_back({reinterpret_cast<char*>(dst), static_cast<const char*>(src), bytes,
-                           std::chrono::steady_clock::now() + std::chrono::milliseconds(delay),
-                           ++stream->enqueued});
+  enqueue(stream, reinterpret_cast<char*>(dst), static_cast<const char*>(src), bytes, delay);
   return done("cuMemcpyHtoDAsync_v2", CUDA_SUCCESS);
 }
-CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t bytes, CUstream) {
-  return copy_dtoh("cuMemcpyDtoHAsync_v2", dst, src, bytes);
+// The same for the way back: with a delay, the device's bytes are read when the copy completes.
+CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t bytes, CUstream stream) {
+  stream = own(stream);
+  const int delay = copy_delay_ms();
+  if (delay <= 0 || stream == nullptr) return copy_dtoh("cuMemcpyDtoHAsync_v2", dst, src, bytes);
+  FAKE_REQUIRE_INIT("cuMemcpyDtoHAsync_v2");
+  FAKE_REQUIRE_CONTEXT("cuMemcpyDtoHAsync_v2");
+  {
+    std::lock_guard lock(g_mutex);
+    if (dst == nullptr || !device_range_ok(src, bytes)) {
+      return done("cuMemcpyDtoHAsync_v2", CUDA_ERROR_INVALID_VALUE);
+    }
+  }
+  enqueue(stream, static_cast<char*>(dst), reinterpret_cast<const char*>(src), bytes, delay);
+  return done("cuMemcpyDtoHAsync_v2", CUDA_SUCCESS);
+}
+
+// Later work on `stream` waits for `event`: the event's stream runs up to it now (blocking the
+// caller: a legal, if slow, schedule).
+CUresult cuStreamWaitEvent(CUstream stream, CUevent event, unsigned int flags) {
+  FAKE_REQUIRE_INIT("cuStreamWaitEvent");
+  FAKE_REQUIRE_CONTEXT("cuStreamWaitEvent");
+  if (event == nullptr || flags != 0) return done("cuStreamWaitEvent", CUDA_ERROR_INVALID_VALUE);
+  (void)stream;
+  if (event->stream != nullptr) flush(event->stream, event->seq, true);
+  return done("cuStreamWaitEvent", CUDA_SUCCESS);
 }
 
 CUresult cuStreamCreate(CUstream* stream, unsigned int) {
@@ -484,6 +518,7 @@ CUresult cuStreamDestroy_v2(CUstream stream) {
 CUresult cuStreamSynchronize(CUstream stream) {
   FAKE_REQUIRE_INIT("cuStreamSynchronize");
   FAKE_REQUIRE_CONTEXT("cuStreamSynchronize");
+  stream = own(stream);
   if (stream != nullptr) flush(stream, ~0ull, true);
   return done("cuStreamSynchronize", CUDA_SUCCESS);
 }
@@ -498,6 +533,7 @@ CUresult cuEventCreate(CUevent* event, unsigned int) {
 
 CUresult cuEventRecord(CUevent event, CUstream stream) {
   FAKE_REQUIRE_INIT("cuEventRecord");
+  stream = own(stream);
   if (event == nullptr) return done("cuEventRecord", CUDA_ERROR_INVALID_HANDLE);
   event->recorded = true;
   event->stream = stream;
