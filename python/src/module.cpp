@@ -136,10 +136,23 @@ class DLTensor_ {
       // The consumer's stream is recorded: the device buffer is reused only after the work
       // queued there by the time the batch is released (torch.from_dlpack passes its current
       // stream).
-      const long long s = stream.is_none() ? 1 : stream.cast<long long>();
+      uintptr_t s = 1;
+      bool record = true;
+      if (!stream.is_none()) {
+        const auto value = stream.cast<py::int_>();
+        if (value.equal(py::int_(-1))) {
+          record = false;  // the host wait below stays: it costs nothing once the copy is done
+        } else if (value.attr("__le__")(0).cast<bool>()) {
+          throw py::value_error(
+              "__dlpack__: stream must be None, -1, 1 (legacy default), 2 (per-thread default) "
+              "or a CUDA stream handle; 0 is ambiguous (DLPack)");
+        } else {
+          s = value.cast<uintptr_t>();
+        }
+      }
       py::gil_scoped_release release;
       batch_.synchronize();
-      if (s > 0) batch_.record_stream(static_cast<uintptr_t>(s));
+      if (record) batch_.record_stream(s);
     }
     DLManagedTensor* t = export_tensor();
     PyObject* cap = PyCapsule_New(t, "dltensor", &capsule_destructor);

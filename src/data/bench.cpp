@@ -104,13 +104,14 @@ LoaderBenchResult run_loader_bench(const LoaderBenchOptions& o) {
   for (int k = 0; k < o.fresh_loaders; ++k) {
     const auto t0 = Clock::now();
     Loader fresh(ds, tf, options);
-    if (!fresh.next()) break;  // an empty epoch (every sample skipped): nothing to time
+    if (!fresh.next()) break;  // an empty epoch (an empty dataset): nothing to time
     r.fresh_first_batches.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
   }
   if (!r.fresh_first_batches.empty()) {
     auto v = r.fresh_first_batches;
     std::sort(v.begin(), v.end());
-    r.fresh_first_batch_seconds = v[v.size() / 2];
+    const size_t m = v.size() / 2;
+    r.fresh_first_batch_seconds = v.size() % 2 == 1 ? v[m] : (v[m - 1] + v[m]) / 2;
   }
   return r;
 }

@@ -27,6 +27,8 @@ DeviceStage::~DeviceStage() {
   api.cuCtxSetCurrent(context_);  // unchecked: a destructor has no one to report to
   api.cuStreamSynchronize(stream_);
   for (auto& b : buffers_) {
+    // Work on the users' streams (Batch::record_stream) may still read the buffer.
+    for (size_t k = 0; k < b->pending; ++k) api.cuEventSynchronize(b->after_users[k]);
     api.cuEventDestroy_v2(b->event);
     for (CUevent e : b->after_users) api.cuEventDestroy_v2(e);
     api.cuMemFree_v2(b->images);
@@ -86,33 +88,47 @@ void DeviceStage::release(int buffer, const std::vector<uintptr_t>& users) noexc
   std::lock_guard lock(mutex_);
   Buffer& b = *buffers_[static_cast<size_t>(buffer)];
   b.pending = 0;
-  if (!users.empty()) {
-    // Any thread may release (a tensor's deleter): the context is made current here. Whatever
-    // fails, the buffer must not be reused while the users may still read it: the fallback is to
-    // wait for their streams on the host, here.
-    const auto& api = driver_.api();
-    const bool bound = api.cuCtxSetCurrent(context_) == CUDA_SUCCESS;
-    for (uintptr_t u : users) {
-      auto stream = reinterpret_cast<CUstream>(u);
-      if (bound && b.pending == b.after_users.size()) {
-        CUevent e = nullptr;
-        if (api.cuEventCreate(&e, 0x2 /* CU_EVENT_DISABLE_TIMING */) == CUDA_SUCCESS) {
-          try {
-            b.after_users.push_back(e);
-          } catch (...) {
-            api.cuEventDestroy_v2(e);
-          }
+  // A buffer whose users could be neither recorded nor waited for may still be read: it never
+  // returns to the pool (a device buffer lost, rather than a batch's bytes overwritten).
+  if (!users.empty() && !guard(b, users)) return;
+  b.free = true;
+}
+
+bool DeviceStage::guard(Buffer& b, const std::vector<uintptr_t>& users) noexcept {
+  // Any thread may release (a tensor's deleter): this context is made current for the calls,
+  // and the thread's own is restored after.
+  const auto& api = driver_.api();
+  CUcontext previous = nullptr;
+  const bool had = api.cuCtxGetCurrent(&previous) == CUDA_SUCCESS;
+  if (api.cuCtxSetCurrent(context_) != CUDA_SUCCESS) return false;
+  bool ok = true;
+  for (uintptr_t u : users) {
+    if (u == kPerThreadStream) {
+      // The releasing thread's per-thread stream is not the user's: wait for the whole context.
+      ok = api.cuCtxSynchronize() == CUDA_SUCCESS && ok;
+      continue;
+    }
+    auto stream = reinterpret_cast<CUstream>(u);
+    if (b.pending == b.after_users.size()) {
+      CUevent e = nullptr;
+      if (api.cuEventCreate(&e, 0x2 /* CU_EVENT_DISABLE_TIMING */) == CUDA_SUCCESS) {
+        try {
+          b.after_users.push_back(e);
+        } catch (...) {
+          api.cuEventDestroy_v2(e);
         }
       }
-      if (bound && b.pending < b.after_users.size() &&
-          api.cuEventRecord(b.after_users[b.pending], stream) == CUDA_SUCCESS) {
-        ++b.pending;
-      } else {
-        api.cuStreamSynchronize(stream);
-      }
+    }
+    if (b.pending < b.after_users.size() &&
+        api.cuEventRecord(b.after_users[b.pending], stream) == CUDA_SUCCESS) {
+      ++b.pending;
+    } else if (api.cuStreamSynchronize(stream) != CUDA_SUCCESS &&
+               api.cuCtxSynchronize() != CUDA_SUCCESS) {
+      ok = false;
     }
   }
-  b.free = true;
+  if (had) api.cuCtxSetCurrent(previous);
+  return ok;
 }
 
 void DeviceStage::copy(const Slot& slot, int buffer, size_t count) {

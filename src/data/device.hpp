@@ -16,6 +16,8 @@ namespace forkguard::data::detail {
 
 using namespace forkguard::cuda;  // NOLINT: the driver API's C names (CUstream, ...)
 
+inline constexpr uintptr_t kPerThreadStream = 0x2;  // CU_STREAM_PER_THREAD
+
 class DeviceStage {
  public:
   // Loads the driver, initializes it and retains the device's primary context. Throws
@@ -31,7 +33,8 @@ class DeviceStage {
   // A free device buffer, a new one when `grow` (the consumer holds the others), or -1.
   int acquire(bool grow);
   // Any thread. `users`: streams whose work (enqueued so far) reads the buffer: an event is
-  // recorded on each, and the buffer's next copy waits for them on the device.
+  // recorded on each, and the buffer's next copy waits for them on the device. The user streams
+  // must still exist (PyTorch's rule for record_stream too).
   void release(int buffer, const std::vector<uintptr_t>& users = {}) noexcept;
   // Enqueues the copy of the slot's first `count` samples and labels into `buffer`, then records
   // the buffer's event.
@@ -56,6 +59,9 @@ class DeviceStage {
   };
   void bind() const;
   int create_buffer();  // mutex_ held
+  // Records an event on each user's stream for the buffer's next copy to wait for; where that
+  // fails, waits for the stream (or the context) on the host. False when even that failed.
+  bool guard(Buffer& b, const std::vector<uintptr_t>& users) noexcept;  // mutex_ held
 
   const cuda::Driver& driver_;
   int ordinal_;

@@ -407,7 +407,8 @@ class LoaderImpl {
                      std::make_move_iterator(ev.result.skipped.end()));
     const auto kind = ev.result.kind;
     if (kind == TaskResult::Kind::kOk) return;
-    // kOk < kData < kInternal < kCuda: a stopped worker outweighs a bad sample.
+    // kOk < kData < kInternal < kCuda: a stopped worker outweighs a bad sample. (kCancelled
+    // comes only after stop(now), whose events nobody reads.)
     const bool worse = static_cast<int>(kind) > static_cast<int>(r.kind) ||
                        (kind == r.kind && ev.result.position < p.failed_position);
     if (!worse) return;

@@ -34,7 +34,7 @@ struct Shared {
 
   WorkerSetup setup;
   Producer producer;
-  std::mutex mutex;  // guards everything below
+  std::mutex mutex;  // guards everything below but `cancel`
   std::condition_variable work;
   std::vector<Queue> queues;
   std::vector<int> busy;         // per worker: the slot of its task in progress, or -1

@@ -381,23 +381,6 @@ TEST(Loader, ProcessWorkersTakeBatchesOfAnySize) {
   EXPECT_EQ(hashes[0], hashes[2]);
 }
 
-// The bytes of `pid`'s mappings of batch slots that are mapped in it (smaps' Rss).
-size_t slot_bytes_mapped(pid_t pid) {
-  std::ifstream in(fmt::format("/proc/{}/smaps", pid));
-  std::string line;
-  bool slot = false;
-  size_t total = 0;
-  while (std::getline(in, line)) {
-    if (!line.empty() && std::isxdigit(static_cast<unsigned char>(line[0])) &&
-        line.find(' ') < line.find(':')) {  // "start-end perms offset dev inode [name]"
-      slot = line.find("forkguard-batch") != std::string::npos;
-    } else if (slot && line.rfind("Rss:", 0) == 0) {
-      total += std::stoull(line.substr(4)) * 1024;
-    }
-  }
-  return total;
-}
-
 TEST(Loader, ProcessWorkersFillFreshSlotsWithoutMappingTheirImages) {
   // A fresh slot's pages cost a process worker about 3 us each to fault in on a VM (9400 for a
   // float32 batch of 64): its first fill goes through the memfd, so the worker maps only the
@@ -420,7 +403,8 @@ TEST(Loader, ProcessWorkersFillFreshSlotsWithoutMappingTheirImages) {
     ASSERT_EQ(pids.size(), 2u) << k.name;
     for (pid_t pid : pids) {
       // Each holds 16 images of 64 KiB per slot it filled; mapped, that would be 1 MiB a slot.
-      EXPECT_LT(slot_bytes_mapped(pid), 256u * 1024) << k.name << ", worker PID " << pid;
+      EXPECT_LT(ft::mapped_bytes(pid, "forkguard-batch"), 256u * 1024)
+          << k.name << ", worker PID " << pid;
     }
     for (size_t i = 0; i < held.size(); ++i) {
       EXPECT_EQ(held[i].size(), 16u);
@@ -703,25 +687,33 @@ TEST(Loader, TimeoutWithAThreadStuckInATransformFiresAndTheLoaderGoesOn) {
 TEST(Loader, ALoaderDestroyedMidEpochLeavesNoThreadWorkingOnItsBatches) {
   // Thread workers drop their batches between samples when the loader goes: none is left behind
   // finishing a batch nobody will read, taking the cores from whatever the program does next.
+  // A thread left behind would keep the transform alive (the loader gives it a reference) until
+  // its task returned: 32 samples of 20 ms each, 640 ms a worker.
   const std::string trace = ::testing::TempDir() + "/forkguard-abandoned-trace";
   std::remove(trace.c_str());
-  NoiseOptions slow{.sleep_ms = 10, .trace = trace};
+  NoiseOptions slow{.sleep_ms = 20, .trace = trace};
   slow.bytes = kBytes;
   auto lines = [&] {
     std::ifstream in(trace);
     return std::count(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>(), '\n');
   };
+  auto transform = std::make_shared<NoiseTransform>(slow);
+  std::weak_ptr<NoiseTransform> alive = transform;
   std::optional<fd::Loader> loader;
-  loader.emplace(dataset(400), std::make_shared<NoiseTransform>(slow),
+  loader.emplace(dataset(400), std::move(transform),
                  fd::LoaderOptions{.batch_size = 32, .workers = 2, .prefetch = 2});
   ASSERT_TRUE(loader->next());
+  const auto at_reset = lines();
   const auto t0 = Clock::now();
   loader.reset();
-  const auto destruction = Clock::now() - t0;
-  const auto after = lines();
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // a batch takes 320 ms a thread
-  EXPECT_EQ(lines(), after) << "a thread went on filling a batch of a destroyed loader";
-  EXPECT_LT(destruction, std::chrono::milliseconds(200));
+  while (!alive.expired() && Clock::now() - t0 < std::chrono::seconds(5)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  const auto gone = Clock::now() - t0;
+  ASSERT_TRUE(alive.expired()) << "a thread still held the transform 5 s after the loader went";
+  // At most the sample each worker was in; a stall of 300 ms in one sample is the only excuse.
+  EXPECT_LT(gone, std::chrono::milliseconds(300)) << "a thread went on with its batch";
+  EXPECT_LE(lines() - at_reset, 2) << "a thread went on filling a batch of a destroyed loader";
   std::remove(trace.c_str());
 }
 

@@ -19,6 +19,7 @@
 #include "data/producer.hpp"
 #include "data/slot.hpp"
 #include "data/test_pipeline.hpp"
+#include "process.hpp"
 
 namespace fd = forkguard::data;
 namespace fdd = forkguard::data::detail;
@@ -28,22 +29,11 @@ namespace {
 constexpr size_t kBatch = 16;
 constexpr size_t kSampleBytes = 64 * 1024;
 
-// The resident (mapped in this process) bytes of the mapping that starts at `p`, from smaps.
+// The resident (mapped in this process) bytes of the mapping that starts at `p`.
 size_t mapped_bytes(const void* p) {
-  std::ifstream in("/proc/self/smaps");
-  char prefix[32];
-  std::snprintf(prefix, sizeof prefix, "%lx-", reinterpret_cast<unsigned long>(p));
-  std::string line;
-  bool inside = false;
-  while (std::getline(in, line)) {
-    if (line.rfind(prefix, 0) == 0) {
-      inside = true;
-    } else if (inside && line.rfind("Rss:", 0) == 0) {
-      return std::stoull(line.substr(4)) * 1024;
-    }
-  }
-  ADD_FAILURE() << "no mapping at " << p << " in /proc/self/smaps";
-  return 0;
+  char start[32];
+  std::snprintf(start, sizeof start, "%lx-", reinterpret_cast<unsigned long>(p));
+  return forkguard::testing::mapped_bytes(::getpid(), start);
 }
 
 struct Fixture {

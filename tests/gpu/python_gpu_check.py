@@ -4,7 +4,11 @@
    and labels are on the device (DLPack device (kDLCUDA, 0)) and, copied back with
    cuMemcpyDtoH, equal the host loader's batches byte for byte (process workers from the fork
    server and thread workers).
-2. forkguard.notebook_launch after this process initialized CUDA: every rank's cuInit succeeds.
+2. __dlpack__(stream=s) records s: each batch is copied back on a stream of ours, behind a large
+   copy that keeps the stream busy, and dropped at once; the loader's later copies into the same
+   device buffer must wait for that work (the bytes read back equal the host loader's). Streams
+   0 and -2 are refused (DLPack).
+3. forkguard.notebook_launch after this process initialized CUDA: every rank's cuInit succeeds.
 Prints "python-gpu ok" or "python-gpu FAIL: ...". Needs PYTHONPATH=BUILD/python.
 Run: /usr/bin/python3 python_gpu_check.py"""
 import ctypes
@@ -49,6 +53,54 @@ def host_bytes(t):
     return ctypes.string_at(t.data_ptr, t.nbytes)
 
 
+def record_stream_check(lib, root, failures):
+    vp, u64, sz = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t
+    lib.cuStreamCreate.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
+    lib.cuStreamSynchronize.argtypes = [vp]
+    lib.cuStreamDestroy_v2.argtypes = [vp]
+    lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(u64), sz]
+    lib.cuMemFree_v2.argtypes = [u64]
+    lib.cuMemHostRegister_v2.argtypes = [vp, sz, ctypes.c_uint]
+    lib.cuMemHostUnregister.argtypes = [vp]
+    lib.cuMemcpyDtoHAsync_v2.argtypes = [vp, u64, sz, vp]
+    mine = vp()
+    assert lib.cuStreamCreate(ctypes.byref(mine), 1) == 0, "cuStreamCreate failed"
+    big = 64 << 20  # a copy of 64 MiB in front of each read-back keeps our stream busy
+    dbig, hbig = u64(), ctypes.create_string_buffer(big)
+    assert lib.cuMemAlloc_v2(ctypes.byref(dbig), big) == 0, "cuMemAlloc failed"
+    assert lib.cuMemHostRegister_v2(hbig, big, 0) == 0, "cuMemHostRegister failed"
+    kw = dict(batch_size=4, workers=2, seed=5)
+    host = [host_bytes(x) for x, _ in forkguard.ImageLoader(root, **kw)]
+    dev = forkguard.ImageLoader(root, device="cuda", **kw)
+    back = []
+    for x, _ in dev:
+        for bad in (0, -2):
+            try:
+                x.__dlpack__(stream=bad)
+                failures.append(f"__dlpack__(stream={bad}) was accepted")
+            except ValueError:
+                pass
+        x.__dlpack__(stream=mine.value)  # waits for the loader's copy, records our stream
+        buf = ctypes.create_string_buffer(x.nbytes)
+        assert lib.cuMemHostRegister_v2(buf, x.nbytes, 0) == 0, "cuMemHostRegister failed"
+        assert lib.cuMemcpyDtoHAsync_v2(hbig, dbig.value, big, mine) == 0, "cuMemcpyDtoHAsync"
+        assert lib.cuMemcpyDtoHAsync_v2(buf, x.data_ptr, x.nbytes, mine) == 0, "cuMemcpyDtoHAsync"
+        back.append(buf)  # the batch is released when the loop moves on, our copies queued
+    del x, _  # the last batch too: a recorded stream must outlive the batches that name it
+    assert lib.cuStreamSynchronize(mine) == 0, "cuStreamSynchronize failed"
+    dev.close()
+    for b in back + [hbig]:
+        lib.cuMemHostUnregister(b)
+    lib.cuMemFree_v2(dbig)
+    lib.cuStreamDestroy_v2(mine)
+    got = [b.raw for b in back]
+    if got != host:
+        bad = sum(g != h for g, h in zip(got, host))
+        failures.append(f"record_stream: {bad} of {len(host)} batches read back on our stream "
+                        "differ (a device buffer was reused under our copy)")
+    print(f"  __dlpack__(stream=ours): {len(got)} batches read back on our stream compared")
+
+
 def rank_init():
     import ctypes as c
     import os as o
@@ -73,6 +125,7 @@ def main():
             if got != host:
                 failures.append(f"{kind}: device batches differ from the host batches")
             print(f"  ImageLoader device='cuda', {kind} workers: {len(got)} batches compared")
+        record_stream_check(lib, root, failures)
     ranks = forkguard.notebook_launch(rank_init, nproc=2)
     print(f"  notebook_launch after the parent's cuInit: ranks' cuInit returned {ranks}")
     if ranks != [0, 0]:

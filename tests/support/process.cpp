@@ -9,10 +9,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <stdexcept>
 
 extern char** environ;
@@ -239,6 +241,22 @@ std::string read_file(const std::string& path) {
   }
   ::close(fd);
   return out;
+}
+
+size_t mapped_bytes(pid_t pid, const std::string& match) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/smaps");
+  std::string line;
+  bool inside = false;
+  size_t total = 0;
+  while (std::getline(in, line)) {
+    if (!line.empty() && std::isxdigit(static_cast<unsigned char>(line[0])) &&
+        line.find(' ') < line.find(':')) {  // a mapping's header, not a "Key: value" line
+      inside = line.find(match) != std::string::npos;
+    } else if (inside && line.rfind("Rss:", 0) == 0) {
+      total += std::stoull(line.substr(4)) * 1024;
+    }
+  }
+  return total;
 }
 
 }  // namespace forkguard::testing

@@ -5,6 +5,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <cstddef>
 #include <map>
 #include <optional>
 #include <string>
@@ -65,5 +66,9 @@ bool is_alive(pid_t pid);
 std::vector<int> open_fds();            // of this process, from /proc/self/fd
 std::vector<pid_t> children_of(pid_t);  // from /proc/*/stat
 std::string read_file(const std::string& path);
+
+// The resident bytes (smaps' Rss) of `pid`'s mappings whose smaps header line ("start-end perms
+// offset dev inode [name]") contains `match`.
+size_t mapped_bytes(pid_t pid, const std::string& match);
 
 }  // namespace forkguard::testing

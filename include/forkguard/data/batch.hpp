@@ -61,11 +61,14 @@ class Batch {
   int device() const;        // the CUDA ordinal for kDevice, -1 on the host
   uintptr_t stream() const;  // the CUstream the copy was enqueued on; 0 on the host
   void synchronize() const;  // waits until the device copy is complete (no-op on the host)
-  // Work enqueued on `stream` (a CUstream of this device's primary context, or CU_STREAM_LEGACY
-  // / CU_STREAM_PER_THREAD) reads this device batch, as PyTorch's Tensor.record_stream says: when
-  // the batch is released, the loader records an event on `stream`, and its next copy into this
-  // device memory waits for it (cuStreamWaitEvent), so work still queued there reads this batch's
-  // bytes, not the next's. No-op on the host.
+  // Work enqueued on `stream` (a CUstream of this device's primary context, or CU_STREAM_LEGACY)
+  // reads this device batch, as PyTorch's Tensor.record_stream says: when the batch is released,
+  // the loader records an event on `stream`, and its next copy into this device memory waits for
+  // it (cuStreamWaitEvent), so work still queued there reads this batch's bytes, not the next's.
+  // The stream must outlive the batch. CU_STREAM_PER_THREAD names a thread's stream that the
+  // releasing thread cannot reach: the release then waits for the whole context on the host.
+  // If no event can be recorded, the release waits for the stream on the host; if even that
+  // fails, the device buffer is never reused. No-op on the host.
   void record_stream(uintptr_t stream) const;
 
   // Images: [size, spec.shape...] of spec.dtype; a host pointer or a CUdeviceptr.

@@ -25,8 +25,9 @@ struct LoaderBenchOptions {
   BadSample bad_sample = BadSample::kError;
   uint64_t seed = 0;
   bool digest = false;  // hash every batch, in delivery order
-  // Loaders built one after another once the epochs are done, each timed to its first batch.
-  int fresh_loaders = 3;
+  // Loaders built one after another once the epochs are done, each timed to its first batch
+  // (the CLI's default is 3).
+  int fresh_loaders = 0;
   // Called after each batch with (images so far, images in all epochs).
   std::function<void(uint64_t done, uint64_t total)> progress{};
 };

@@ -9,7 +9,9 @@
 //   };
 //
 // apply() writes exactly output().bytes() bytes straight into the batch's shared memory: there
-// is no copy between a transform's output and the batch the consumer sees. Randomness comes only
+// is no copy between a transform's output and the batch the consumer sees (except in a slot's
+// first batch, written through a private buffer and pwrite(), which costs less than faulting in
+// the slot's fresh pages one by one). Randomness comes only
 // from `rng`, seeded from (seed, epoch, sample index), so output does not depend on the worker.
 // Transforms run in workers: they must never touch CUDA (a process worker that finds CUDA state
 // in itself after a sample stops with an error naming the transform).

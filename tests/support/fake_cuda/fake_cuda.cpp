@@ -24,6 +24,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -437,6 +438,21 @@ void enqueue(CUstream s, char* dst, const char* src, size_t bytes, int delay_ms)
                       ++s->enqueued});
 }
 
+// A copy queued on `stream`, performed when it completes; `device` is its device side.
+CUresult queue_copy(const char* fn, char* dst, const char* src, size_t bytes, CUdeviceptr device,
+                    CUstream stream, int delay_ms) {
+  FAKE_REQUIRE_INIT(fn);
+  FAKE_REQUIRE_CONTEXT(fn);
+  {
+    std::lock_guard lock(g_mutex);
+    if (dst == nullptr || src == nullptr || !device_range_ok(device, bytes)) {
+      return done(fn, CUDA_ERROR_INVALID_VALUE);
+    }
+  }
+  enqueue(stream, dst, src, bytes, delay_ms);
+  return done(fn, CUDA_SUCCESS);
+}
+
 // Performs the queued copies up to `seq`: those already due, or (block) all of them, waiting.
 void flush(CUstream s, uint64_t seq, bool block) {
   std::lock_guard lock(s->mutex);
@@ -455,37 +471,21 @@ void flush(CUstream s, uint64_t seq, bool block) {
 }  // namespace
 
 // Host-backed: without FAKE_CUDA_COPY_DELAY_MS an "async" copy completes before it returns,
-// which is one legal schedule; with it, the copy happens when it completes.
+// which is one legal schedule; with it, the copy is queued on its stream and happens when it
+// completes (the device's bytes are read, or written, then).
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream) {
   stream = own(stream);
   const int delay = copy_delay_ms();
   if (delay <= 0 || stream == nullptr) return copy_htod("cuMemcpyHtoDAsync_v2", dst, src, bytes);
-  FAKE_REQUIRE_INIT("cuMemcpyHtoDAsync_v2");
-  FAKE_REQUIRE_CONTEXT("cuMemcpyHtoDAsync_v2");
-  {
-    std::lock_guard lock(g_mutex);
-    if (src == nullptr || !device_range_ok(dst, bytes)) {
-      return done("cuMemcpyHtoDAsync_v2", CUDA_ERROR_INVALID_VALUE);
-    }
-  }
-  enqueue(stream, reinterpret_cast<char*>(dst), static_cast<const char*>(src), bytes, delay);
-  return done("cuMemcpyHtoDAsync_v2", CUDA_SUCCESS);
+  return queue_copy("cuMemcpyHtoDAsync_v2", reinterpret_cast<char*>(dst),
+                    static_cast<const char*>(src), bytes, dst, stream, delay);
 }
-// The same for the way back: with a delay, the device's bytes are read when the copy completes.
 CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t bytes, CUstream stream) {
   stream = own(stream);
   const int delay = copy_delay_ms();
   if (delay <= 0 || stream == nullptr) return copy_dtoh("cuMemcpyDtoHAsync_v2", dst, src, bytes);
-  FAKE_REQUIRE_INIT("cuMemcpyDtoHAsync_v2");
-  FAKE_REQUIRE_CONTEXT("cuMemcpyDtoHAsync_v2");
-  {
-    std::lock_guard lock(g_mutex);
-    if (dst == nullptr || !device_range_ok(src, bytes)) {
-      return done("cuMemcpyDtoHAsync_v2", CUDA_ERROR_INVALID_VALUE);
-    }
-  }
-  enqueue(stream, static_cast<char*>(dst), reinterpret_cast<const char*>(src), bytes, delay);
-  return done("cuMemcpyDtoHAsync_v2", CUDA_SUCCESS);
+  return queue_copy("cuMemcpyDtoHAsync_v2", static_cast<char*>(dst),
+                    reinterpret_cast<const char*>(src), bytes, src, stream, delay);
 }
 
 // Later work on `stream` waits for `event`: the event's stream runs up to it now (blocking the
@@ -511,7 +511,12 @@ CUresult cuStreamDestroy_v2(CUstream stream) {
   FAKE_REQUIRE_INIT("cuStreamDestroy_v2");
   if (stream == nullptr) return done("cuStreamDestroy_v2", CUDA_ERROR_INVALID_HANDLE);
   flush(stream, ~0ull, true);
-  delete stream;
+  // Events recorded on it stay valid (CUDA allows destroying a stream whose events live on):
+  // the finished stream is kept, reachable, rather than freed under them.
+  static std::mutex destroyed_mutex;
+  static std::vector<std::unique_ptr<CUstream_st>> destroyed;
+  std::lock_guard lock(destroyed_mutex);
+  destroyed.emplace_back(stream);
   return done("cuStreamDestroy_v2", CUDA_SUCCESS);
 }
 
