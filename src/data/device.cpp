@@ -17,7 +17,7 @@ DeviceStage::DeviceStage(int ordinal, size_t buffers, const SlotLayout& layout)
   driver_.check(api.cuDeviceGet(&device_, ordinal), "cuDeviceGet");
   driver_.check(api.cuDevicePrimaryCtxRetain(&context_, device_), "cuDevicePrimaryCtxRetain");
   bind();
-  driver_.check(api.cuStreamCreate(&stream_, 0x1 /* CU_STREAM_NON_BLOCKING */), "cuStreamCreate");
+  driver_.check(api.cuStreamCreate(&stream_, kCuStreamNonBlocking), "cuStreamCreate");
   std::lock_guard lock(mutex_);
   for (size_t i = 0; i < buffers; ++i) create_buffer();
 }
@@ -49,7 +49,7 @@ int DeviceStage::create_buffer() {
                 "cuMemAlloc_v2");
   driver_.check(api.cuMemAlloc_v2(&b->labels, layout_.batch_size * sizeof(int64_t)),
                 "cuMemAlloc_v2");
-  driver_.check(api.cuEventCreate(&b->event, 0x2 /* CU_EVENT_DISABLE_TIMING */), "cuEventCreate");
+  driver_.check(api.cuEventCreate(&b->event, kCuEventDisableTiming), "cuEventCreate");
   buffers_.push_back(std::move(b));
   return static_cast<int>(buffers_.size()) - 1;
 }
@@ -111,7 +111,7 @@ bool DeviceStage::guard(Buffer& b, const std::vector<uintptr_t>& users) noexcept
     auto stream = reinterpret_cast<CUstream>(u);
     if (b.pending == b.after_users.size()) {
       CUevent e = nullptr;
-      if (api.cuEventCreate(&e, 0x2 /* CU_EVENT_DISABLE_TIMING */) == CUDA_SUCCESS) {
+      if (api.cuEventCreate(&e, kCuEventDisableTiming) == CUDA_SUCCESS) {
         try {
           b.after_users.push_back(e);
         } catch (...) {

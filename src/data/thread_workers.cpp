@@ -96,18 +96,17 @@ void run(const std::shared_ptr<Shared>& sh, int w, WorkerInit init) {
     }
     uint64_t idle = static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - idle_from).count());
-    std::byte* base = setup.pool->get(task.slot).memory.data();
+    const Mapping& memory = setup.pool->get(task.slot).memory;
     WorkerEvent e;
     e.worker = w;
     e.batch = task.batch;
     e.slot = task.slot;
     e.idle_ns = idle;
     try {
-      e.result =
-          sh->producer.run(task.epoch, task.indices, base,
-                           {.shared = task.shared,
-                            .fresh_fd = task.fresh ? setup.pool->get(task.slot).memory.fd() : -1,
-                            .cancel = &sh->cancel});
+      e.result = sh->producer.run(task.epoch, task.indices, memory.data(),
+                                  {.shared = task.shared,
+                                   .fresh_fd = task.fresh ? memory.fd() : -1,
+                                   .cancel = &sh->cancel});
     } catch (const std::exception& ex) {  // not a sample's fault (those are caught per sample)
       e.result.kind = TaskResult::Kind::kInternal;
       e.result.message = ex.what();

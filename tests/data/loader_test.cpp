@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "data/test_pipeline.hpp"
+#include "detail/fnv.hpp"
 #include "forkguard/cuda/driver.hpp"
 #include "forkguard/init.hpp"
 #include "launch/fork_server.hpp"
@@ -58,20 +59,16 @@ std::shared_ptr<fd::Transform> noise(NoiseOptions o = {}) {
   return std::make_shared<NoiseTransform>(o);
 }
 
-uint64_t fnv(const void* data, size_t n, uint64_t h = 1469598103934665603ull) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
-  return h;
-}
+using forkguard::detail::fnv1a;
 
 uint64_t hash_batch(const fd::Batch& b) {
-  uint64_t h = fnv(b.images_data(), b.images_bytes());
-  h = fnv(b.labels(), b.size() * sizeof(int64_t), h);
+  uint64_t h = fnv1a(b.images_data(), b.images_bytes());
+  h = fnv1a(b.labels(), b.size() * sizeof(int64_t), h);
   for (size_t i = 0; i < b.size(); ++i) {
     auto k = b.key(i);
-    h = fnv(k.data(), k.size(), h);
+    h = fnv1a(k.data(), k.size(), h);
   }
-  return fnv(b.indices().data(), b.indices().size() * sizeof(size_t), h);
+  return fnv1a(b.indices().data(), b.indices().size() * sizeof(size_t), h);
 }
 
 // The hash of every batch of `epochs` epochs, in delivery order.
@@ -428,12 +425,12 @@ TEST(Loader, DlpackTensorsShareTheSlotAndKeepItAlive) {
     EXPECT_EQ(static_cast<const int64_t*>(labels->dl_tensor.data)[3], b->labels()[3]);
     labels->deleter(labels);
     held.push_back(t);
-    at_delivery.push_back(fnv(b->images_data(), b->images_bytes()));
+    at_delivery.push_back(fnv1a(b->images_data(), b->images_bytes()));
   }
   // Every tensor still holds its own batch: held slots are never handed to a worker again.
   ASSERT_EQ(held.size(), 4u);
   for (size_t i = 0; i < held.size(); ++i) {
-    EXPECT_EQ(fnv(held[i]->dl_tensor.data, 16 * kBytes), at_delivery[i]);
+    EXPECT_EQ(fnv1a(held[i]->dl_tensor.data, 16 * kBytes), at_delivery[i]);
   }
   const size_t slots = loader.stats().slots;
   EXPECT_GE(slots, 4u);
@@ -846,10 +843,10 @@ TEST(Loader, DeviceHandOffCopiesExactBytesAndReusesSlotsOnlyAfterTheCopy) {
                     host.data(), reinterpret_cast<forkguard::cuda::CUdeviceptr>(b->images_data()),
                     b->images_bytes()),
                 forkguard::cuda::CUDA_SUCCESS);
-      uint64_t h = fnv(host.data(), b->images_bytes());
-      h = fnv(b->labels(), b->size() * sizeof(int64_t), h);
-      for (size_t i = 0; i < b->size(); ++i) h = fnv(b->key(i).data(), b->key(i).size(), h);
-      got.push_back(fnv(b->indices().data(), b->indices().size() * sizeof(size_t), h));
+      uint64_t h = fnv1a(host.data(), b->images_bytes());
+      h = fnv1a(b->labels(), b->size() * sizeof(int64_t), h);
+      for (size_t i = 0; i < b->size(); ++i) h = fnv1a(b->key(i).data(), b->key(i).size(), h);
+      got.push_back(fnv1a(b->indices().data(), b->indices().size() * sizeof(size_t), h));
     }
   }
   EXPECT_EQ(got, reference);
@@ -871,7 +868,7 @@ TEST(Loader, DeviceBatchesRecordedOnAnotherStreamAreReusedOnlyAfterItsWork) {
   std::vector<uint64_t> reference;
   {
     fd::Loader host(dataset(), noise(), base);
-    while (auto b = host.next()) reference.push_back(fnv(b->images_data(), b->images_bytes()));
+    while (auto b = host.next()) reference.push_back(fnv1a(b->images_data(), b->images_bytes()));
   }
   auto o = base;
   o.device.enabled = true;
@@ -893,7 +890,7 @@ TEST(Loader, DeviceBatchesRecordedOnAnotherStreamAreReusedOnlyAfterItsWork) {
     ASSERT_EQ(api.cuStreamSynchronize(mine), forkguard::cuda::CUDA_SUCCESS);
     api.cuStreamDestroy_v2(mine);
     std::vector<uint64_t> got;
-    for (const auto& h : back) got.push_back(fnv(h.data(), h.size()));
+    for (const auto& h : back) got.push_back(fnv1a(h.data(), h.size()));
     if (record) {
       EXPECT_EQ(got, reference);
     } else {  // the test can tell: without it the buffers are overwritten under the copies
