@@ -2,15 +2,20 @@
 
 #include <arpa/inet.h>
 #include <fmt/format.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
+#include <initializer_list>
+#include <utility>
 
 #include "detail/fd.hpp"
 #include "forkguard/error.hpp"
+#include "forkguard/launch/hostlist.hpp"
 
 extern char** environ;
 
@@ -21,11 +26,69 @@ std::optional<int> int_var(const EnvMap& env, const char* name) {
   auto it = env.find(name);
   if (it == env.end() || it->second.empty()) return std::nullopt;
   char* end = nullptr;
+  errno = 0;
   long v = std::strtol(it->second.c_str(), &end, 10);
-  if (*end != '\0' || v < 0 || v > 1'000'000) {
-    throw Error(fmt::format("{}={} is not a valid number", name, it->second));
+  if (*end != '\0' || errno == ERANGE || v < 0 || v > 1'000'000'000) {
+    throw PlacementError(fmt::format("{}={} is not a valid number", name, it->second));
   }
   return static_cast<int>(v);
+}
+
+const std::string* str_var(const EnvMap& env, const char* name) {
+  auto it = env.find(name);
+  return it == env.end() || it->second.empty() ? nullptr : &it->second;
+}
+
+// The first of several names that is set, with its name.
+std::optional<std::pair<const char*, int>> first_int(const EnvMap& env,
+                                                     std::initializer_list<const char*> names) {
+  for (const char* n : names) {
+    if (auto v = int_var(env, n)) return std::pair{n, *v};
+  }
+  return std::nullopt;
+}
+
+// Under srun each task sees the step's node count and its node's index in the step; in a batch
+// script (no step of its own) the job's.
+void place_by_slurm(Placement& p, const EnvMap& env) {
+  auto nodes = first_int(env, {"SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"});
+  auto tasks = first_int(env, {"SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"});
+  p.nnodes = nodes->second;
+  p.node_rank = *int_var(env, "SLURM_NODEID");
+  p.source = "slurm";
+  if (tasks && tasks->second > nodes->second) {
+    throw PlacementError(fmt::format(
+        "under Slurm, {} tasks share {} node{} ({}={}, {}={}): forkguard run starts every rank "
+        "of its node itself, so it must run once per node. Start it with one task per node: "
+        "srun --ntasks-per-node=1 forkguard run --nproc-per-node N ... (or #SBATCH "
+        "--ntasks-per-node=1)",
+        tasks->second, nodes->second, nodes->second == 1 ? "" : "s", tasks->first, tasks->second,
+        nodes->first, nodes->second));
+  }
+  if (p.nnodes > 1 && str_var(env, "SLURM_STEP_ID") == nullptr &&
+      str_var(env, "SLURM_STEPID") == nullptr) {
+    throw PlacementError(fmt::format(
+        "this is the batch script of a {}-node Slurm job ({}={}), not a task of a step: "
+        "forkguard run here would be node 0 of {} waiting for nodes that never start. Start it "
+        "on every node with srun --ntasks-per-node=1 forkguard run ...",
+        p.nnodes, nodes->first, p.nnodes, p.nnodes));
+  }
+}
+
+// A multi-host job started by mpirun (or a PMI launcher) names no host to rendezvous at.
+void require_master_for_mpi(const Placement& p, const EnvMap& env) {
+  if (p.nnodes < 2) return;
+  const char* local = p.source == "open mpi" ? "OMPI_COMM_WORLD_LOCAL_SIZE" : "MPI_LOCALNRANKS";
+  const char* size = p.source == "open mpi" ? "OMPI_COMM_WORLD_SIZE" : "PMI_SIZE";
+  auto local_size = int_var(env, local);
+  if (local_size && *local_size == p.nnodes) return;  // every task on this host: loopback is right
+  throw PlacementError(fmt::format(
+      "started by {} as node {} of {} ({}={}, {}={}), possibly on several hosts, and no master "
+      "address is given: every node would rendezvous at its own 127.0.0.1. Give the host of node "
+      "rank 0: --master-addr HOST (or MASTER_ADDR=HOST), e.g. mpirun -x MASTER_ADDR=$(hostname) "
+      "...",
+      p.source == "open mpi" ? "mpirun (Open MPI)" : "a PMI launcher", p.node_rank, p.nnodes, size,
+      p.nnodes, local, local_size ? std::to_string(*local_size) : std::string("unset")));
 }
 
 }  // namespace
@@ -43,21 +106,22 @@ EnvMap current_environment() {
 Placement resolve_placement(const NodeOptions& nodes, int nproc, const EnvMap& env) {
   Placement p;
   p.nproc = nproc;
-  if (nproc < 1) throw Error(fmt::format("nproc must be at least 1, not {}", nproc));
-  struct Source {
-    const char* name;
-    const char* size;
-    const char* rank;
-  };
-  const Source sources[] = {{"slurm", "SLURM_NNODES", "SLURM_NODEID"},
-                            {"open mpi", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"},
-                            {"pmi", "PMI_SIZE", "PMI_RANK"}};
+  if (nproc < 1) throw PlacementError(fmt::format("nproc must be at least 1, not {}", nproc));
   if (nodes.nnodes || nodes.node_rank) {
     p.nnodes = nodes.nnodes.value_or(1);
     p.node_rank = nodes.node_rank.value_or(0);
     p.source = "options";
+  } else if (int_var(env, "SLURM_NODEID") &&
+             first_int(env, {"SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"})) {
+    place_by_slurm(p, env);
   } else {
-    for (const auto& s : sources) {
+    struct Source {
+      const char* name;
+      const char* size;
+      const char* rank;
+    };
+    for (const Source& s : {Source{"open mpi", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"},
+                            Source{"pmi", "PMI_SIZE", "PMI_RANK"}}) {
       auto size = int_var(env, s.size);
       auto rank = int_var(env, s.rank);
       if (size && rank) {
@@ -68,27 +132,83 @@ Placement resolve_placement(const NodeOptions& nodes, int nproc, const EnvMap& e
       }
     }
   }
-  if (p.nnodes < 1) throw Error(fmt::format("nnodes must be at least 1, not {}", p.nnodes));
+  if (p.nnodes < 1)
+    throw PlacementError(fmt::format("nnodes must be at least 1, not {}", p.nnodes));
   if (p.node_rank < 0 || p.node_rank >= p.nnodes) {
-    throw Error(fmt::format("node rank {} is outside 0..{} (nnodes {}, from {})", p.node_rank,
-                            p.nnodes - 1, p.nnodes, p.source));
+    throw PlacementError(fmt::format("node rank {} is outside 0..{} (nnodes {}, from {})",
+                                     p.node_rank, p.nnodes - 1, p.nnodes, p.source));
   }
-  if (!nodes.master_addr.empty()) p.master_addr = nodes.master_addr;
+  if (static_cast<long>(p.nnodes) * nproc > 1'000'000) {
+    throw PlacementError(
+        fmt::format("{} nodes of {} ranks make a world larger than a million", p.nnodes, nproc));
+  }
+
+  if (!nodes.master_addr.empty()) {
+    p.master_addr = nodes.master_addr;
+    p.master_addr_from = "--master-addr";
+  } else if (const auto* addr = str_var(env, "MASTER_ADDR")) {
+    p.master_addr = *addr;
+    p.master_addr_from = "MASTER_ADDR";
+  } else if (p.source == "slurm" && p.nnodes > 1) {
+    for (const char* var : {"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"}) {
+      if (const auto* list = str_var(env, var)) {
+        try {
+          p.master_addr = HostList::parse(*list, var).first();
+        } catch (const HostListError& e) {
+          throw PlacementError(e.what());
+        }
+        p.master_addr_from = fmt::format("the first host of {}={}", var, *list);
+        break;
+      }
+    }
+  } else if (p.source == "open mpi" || p.source == "pmi") {
+    require_master_for_mpi(p, env);
+  }
+
   if (nodes.standalone) {
-    if (p.nnodes != 1)
-      throw Error("--standalone is for a single node, but nnodes is " + std::to_string(p.nnodes));
+    if (p.nnodes != 1) {
+      throw PlacementError("--standalone is for a single node, but nnodes is " +
+                           std::to_string(p.nnodes));
+    }
     p.master_port = nodes.master_port.value_or(free_loopback_port());
+    p.master_port_from = nodes.master_port ? "--master-port" : "a free port (--standalone)";
   } else if (nodes.master_port) {
     p.master_port = *nodes.master_port;
+    p.master_port_from = "--master-port";
   } else if (auto port = int_var(env, "MASTER_PORT")) {
     p.master_port = *port;
-  }
-  if (nodes.master_addr.empty()) {
-    if (auto it = env.find("MASTER_ADDR"); it != env.end() && !it->second.empty()) {
-      p.master_addr = it->second;
+    p.master_port_from = "MASTER_PORT";
+  } else if (p.source == "slurm") {
+    if (auto job = first_int(env, {"SLURM_JOB_ID", "SLURM_JOBID"})) {
+      // The common recipe: stable on every node of the job, different for concurrent jobs
+      // (unless their ids end in the same four digits).
+      p.master_port = 10000 + job->second % 10000;
+      p.master_port_from = fmt::format("10000 + {}={} modulo 10000", job->first, job->second);
     }
   }
+  if (p.master_port < 1 || p.master_port > 65535) {
+    throw PlacementError(fmt::format("master port {} (from {}) is not a TCP port (1-65535)",
+                                     p.master_port, p.master_port_from));
+  }
   return p;
+}
+
+void check_master_addr(const Placement& place) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  int rc = ::getaddrinfo(place.master_addr.c_str(), nullptr, &hints, &res);
+  if (rc == 0) {
+    ::freeaddrinfo(res);
+    return;
+  }
+  throw PlacementError(fmt::format(
+      "the master address \"{}\" (from {}) does not resolve: {}. Every rank would fail to "
+      "rendezvous there; give a host that resolves on every node: --master-addr HOST or "
+      "MASTER_ADDR=HOST",
+      place.master_addr, place.master_addr_from,
+      rc == EAI_SYSTEM ? std::strerror(errno) : ::gai_strerror(rc)));
 }
 
 EnvMap rank_environment(const Placement& place, int local_rank, int restart_count,

@@ -518,6 +518,7 @@ Result supervise(const Options& o, const Job& job) {
     throw Error("no command to run");
   }
   auto place = resolve_placement(o.nodes, o.nproc, current_environment());
+  check_master_addr(place);
   GpuPlan gpus;
   if (o.gpus.bind) {
     gpus = plan_gpus(o.gpus, o.nproc, cuda::discover_gpus(), cuda::visible_devices_from_env());

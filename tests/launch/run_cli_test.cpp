@@ -1,5 +1,6 @@
 // forkguard run as a user runs it: exit codes, GPU plan, reports, signals, a killed launcher,
 // and real peers (Open MPI's mpirun).
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -7,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -205,4 +207,120 @@ TEST_F(RunCli, RealTorchDistributedGlooAllReduce) {
       << r.out;
   EXPECT_NE(r.out.find("[rank1]:rank 1/2: all_reduce = 3 (expected 3)"), std::string::npos)
       << r.out;
+}
+
+namespace {
+
+bool have_torch_distributed() {
+  return ft::run({"/usr/bin/python3", "-c", "import torch.distributed"}).exit_code == 0;
+}
+
+// Two `forkguard run` side by side as the two nodes of one job, as torchrun's static rendezvous.
+std::vector<std::string> node_launcher(int node_rank, int port, std::vector<std::string> extra,
+                                       bool hold = false) {
+  std::vector<std::string> args = {ft::kForkguard,
+                                   "run",
+                                   "--quiet",
+                                   "--nnodes",
+                                   "2",
+                                   "--node-rank",
+                                   std::to_string(node_rank),
+                                   "--master-addr",
+                                   "127.0.0.1",
+                                   "--master-port",
+                                   std::to_string(port),
+                                   "--nproc-per-node",
+                                   "2",
+                                   "--grace",
+                                   "5"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  for (const char* a :
+       {"--", "/usr/bin/python3", FORKGUARD_SOURCE_DIR "/tests/launch/gloo_peers.py"}) {
+    args.emplace_back(a);
+  }
+  if (hold) args.emplace_back("--hold");  // all-reduce until a peer is lost
+  return args;
+}
+
+int free_port() {
+  return std::stoi(ft::run({"/usr/bin/python3", "-c",
+                            "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); "
+                            "print(s.getsockname()[1])"})
+                       .out);
+}
+
+}  // namespace
+
+TEST_F(RunCli, TwoLaunchersSideBySideFormOneWorld) {
+  if (!have_torch_distributed()) GTEST_SKIP() << "Debian's python3-torch is not installed";
+  const int port = free_port();
+  ft::Interactive node1(node_launcher(1, port, {}), env_);
+  auto node0 = ft::run(node_launcher(0, port, {}), env_, 120s);
+  EXPECT_EQ(node0.exit_code, 0) << node0.out << node0.err;
+  std::string out = node0.out;
+  for (int i = 0; i < 2; ++i) out += node1.read_line(60s) + "\n";
+  int status = node1.finish();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  for (int rank = 0; rank < 4; ++rank) {
+    const int local = rank % 2, group = rank / 2;
+    std::string want = fmt::format("[rank{}]:rank {}/4 pid ", rank, rank);
+    std::string tail = fmt::format(
+        ": sum 10 (expected 10) RANK={} LOCAL_RANK={} GROUP_RANK={} WORLD_SIZE=4 "
+        "LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={}",
+        rank, local, group, port);
+    auto at = out.find(want);
+    ASSERT_NE(at, std::string::npos) << "rank " << rank << " missing:\n" << out;
+    EXPECT_EQ(out.substr(out.find(':', at + want.size()), tail.size()), tail) << out;
+  }
+}
+
+TEST_F(RunCli, ALauncherKilledWithSigkillEndsTheOtherNodesRanksWithAReport) {
+  if (!have_torch_distributed()) GTEST_SKIP() << "Debian's python3-torch is not installed";
+  const int port = free_port();
+  const std::string report = dir_.path() + "/node0.json";
+  ft::Interactive node0(node_launcher(0, port, {"--json-report", report}, true), env_);
+  ft::Interactive node1(node_launcher(1, port, {}, true), env_);
+  auto read_ready = [&](ft::Interactive& node, int count) {
+    std::vector<pid_t> pids;
+    while (static_cast<int>(pids.size()) < count) {
+      auto line = node.read_line(60s);
+      auto at = line.find("ready ");
+      if (at == std::string::npos) continue;
+      std::istringstream in(line.substr(at + 6));
+      int rank = 0;
+      pid_t pid = 0;
+      in >> rank >> pid;
+      pids.push_back(pid);
+    }
+    return pids;
+  };
+  auto pids0 = read_ready(node0, 2);
+  auto pids1 = read_ready(node1, 2);
+  const auto killed_at = std::chrono::steady_clock::now();
+  ::kill(node1.pid(), SIGKILL);
+  node1.finish();
+  int status = node0.finish();
+  const auto took = std::chrono::steady_clock::now() - killed_at;
+  EXPECT_LT(took, 15s) << "node 0's launcher must end within its grace (5 s), never hang";
+  ASSERT_TRUE(WIFEXITED(status)) << status;
+  EXPECT_NE(WEXITSTATUS(status), 0);
+  for (pid_t p : pids0) EXPECT_FALSE(ft::is_alive(p)) << "node 0's rank " << p << " survived";
+  auto deadline = std::chrono::steady_clock::now() + 1s;
+  while (std::chrono::steady_clock::now() < deadline &&
+         std::any_of(pids1.begin(), pids1.end(), ft::is_alive)) {
+    std::this_thread::sleep_for(10ms);
+  }
+  for (pid_t p : pids1) EXPECT_FALSE(ft::is_alive(p)) << "node 1's rank " << p << " survived";
+  // The report's root cause is a rank of node 0 that lost its peer, with gloo's words.
+  auto j = nlohmann::json::parse(ft::read_file(report));
+  EXPECT_EQ(j["success"], false);
+  const auto& root = j["ranks"][j["root_cause"].get<size_t>()];
+  std::string tail;
+  for (const auto& l : root["stderr_tail"]) tail += l.get<std::string>() + "\n";
+  // gloo names the lost peer's address: "Connection closed by peer [127.0.0.1]:PORT" (FIN), or
+  // "... Connection reset by peer" after [127.0.0.1]:PORT (RST when data was still unread).
+  EXPECT_TRUE(tail.find("Connection closed by peer [127.0.0.1]") != std::string::npos ||
+              (tail.find("Connection reset by peer") != std::string::npos &&
+               tail.find("127.0.0.1") != std::string::npos))
+      << tail;
 }

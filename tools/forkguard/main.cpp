@@ -18,6 +18,7 @@
 #include "forkguard/data/bench.hpp"
 #include "forkguard/doctor/report.hpp"
 #include "forkguard/init.hpp"
+#include "forkguard/launch/environment.hpp"
 #include "forkguard/launch/gpu_plan.hpp"
 #include "forkguard/launch/launcher.hpp"
 #include "forkguard/probe/cuda_state.hpp"
@@ -123,6 +124,9 @@ int run(int argc, char** argv, const RunFlags& f) {
     write_report(f.json_report, e.result());
     return e.result().exit_code();
   } catch (const fl::GpuPlanError& e) {
+    fmt::print(stderr, "forkguard run: {}\n", e.what());
+    return 2;
+  } catch (const fl::PlacementError& e) {
     fmt::print(stderr, "forkguard run: {}\n", e.what());
     return 2;
   }
