@@ -43,6 +43,9 @@ std::string resolve_executable(const std::string& name, const EnvMap& env) {
   return name;  // execve reports ENOENT, and the error names it
 }
 
+// What the shell (and env, timeout) exit with when a command cannot be run.
+int shell_exit_code(int err) { return err == ENOENT || err == ENOTDIR ? 127 : 126; }
+
 void close_fds_except(int keep) noexcept {
   if (keep < 3) {
     ::syscall(SYS_close_range, 3u, ~0u, 0u);
@@ -53,6 +56,30 @@ void close_fds_except(int keep) noexcept {
 }
 
 }  // namespace
+
+void check_executable(const std::string& name, const EnvMap& env) {
+  const std::string path = resolve_executable(name, env);
+  const bool searched = name.find('/') == std::string::npos;
+  struct stat st {};
+  int err = 0;
+  if (name.empty()) {
+    err = ENOENT;
+  } else if (::stat(path.c_str(), &st) != 0) {
+    err = errno;
+  } else if (S_ISDIR(st.st_mode)) {
+    err = EISDIR;
+  } else if (!S_ISREG(st.st_mode) || ::access(path.c_str(), X_OK) != 0) {
+    err = EACCES;
+  }
+  if (err == 0) return;
+  if (searched && path == name) {
+    throw SpawnError(fmt::format("failed to execute {}: command not found (searched PATH={})",
+                                 name, env.count("PATH") ? env.at("PATH") : "unset"),
+                     127);
+  }
+  throw SpawnError(fmt::format("failed to execute {}: {}", path, std::strerror(err)),
+                   shell_exit_code(err));
+}
 
 std::vector<std::string> flatten(const EnvMap& env) {
   std::vector<std::string> out;
@@ -146,7 +173,8 @@ void await_exec(StartedChild& child, const std::string& path) {
   child.exec_check.reset();
   if (n == sizeof child_errno) {
     ::waitpid(child.pid, nullptr, 0);
-    throw SpawnError(fmt::format("failed to execute {}: {}", path, std::strerror(child_errno)));
+    throw SpawnError(fmt::format("failed to execute {}: {}", path, std::strerror(child_errno)),
+                     shell_exit_code(child_errno));
   }
 }
 

@@ -24,6 +24,11 @@ struct PreparedExec {
   std::vector<char*> envp;
 };
 
+// Throws SpawnError (exit code 127: not found, 126: not executable) unless `name` names, or PATH
+// in `env` finds, a regular file this process may execute. Checked before any rank starts, so a
+// typo fails the same way whatever the start method.
+void check_executable(const std::string& name, const EnvMap& env);
+
 // `env` is the complete environment of the child.
 PreparedExec prepare_exec(const std::vector<std::string>& argv, const EnvMap& env);
 std::vector<std::string> flatten(const EnvMap& env);

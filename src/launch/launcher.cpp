@@ -516,6 +516,10 @@ Result supervise(const Options& o, const Job& job) {
     }
   } else if (job.argv.empty()) {
     throw Error("no command to run");
+  } else {
+    EnvMap env = current_environment();
+    for (const auto& [k, v] : o.env) env[k] = v;
+    detail::check_executable(job.argv[0], env);
   }
   auto place = resolve_placement(o.nodes, o.nproc, current_environment());
   check_master_addr(place);

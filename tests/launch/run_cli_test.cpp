@@ -170,12 +170,76 @@ TEST_F(RunCli, UsageErrors) {
   }
 }
 
-TEST_F(RunCli, MissingCommandSaysSo) {
-  auto r = run({"--", "/nonexistent/train"});
-  EXPECT_EQ(r.exit_code, 1);
-  EXPECT_NE(r.err.find("failed to execute /nonexistent/train: No such file or directory"),
+TEST_F(RunCli, MissingOrNonExecutableCommandsExitAsTheShellDoes) {
+  // 127: not found; 126: found but cannot be executed (as env, timeout and sh), whatever the
+  // start method, and no rank starts.
+  for (const char* method : {"spawn", "forkserver", "fork"}) {
+    auto r = run({"--start-method", method, "--", "/nonexistent/train"});
+    EXPECT_EQ(r.exit_code, 127) << method << r.err;
+    EXPECT_NE(r.err.find("failed to execute /nonexistent/train: No such file or directory"),
+              std::string::npos)
+        << r.err;
+    r = run({"--start-method", method, "--", "no-such-command-here"});
+    EXPECT_EQ(r.exit_code, 127) << method << r.err;
+    EXPECT_NE(r.err.find("failed to execute no-such-command-here: command not found"),
+              std::string::npos)
+        << r.err;
+    std::string script = dir_.path() + "/train.sh";
+    std::ofstream(script) << "#!/bin/sh\necho ran\n";  // not executable
+    r = run({"--start-method", method, "--", script});
+    EXPECT_EQ(r.exit_code, 126) << method << r.err;
+    EXPECT_NE(r.err.find("failed to execute " + script + ": Permission denied"),
+              std::string::npos)
+        << r.err;
+    EXPECT_EQ(r.out, "");
+    r = run({"--start-method", method, "--", dir_.path()});
+    EXPECT_EQ(r.exit_code, 126) << method << r.err;
+    EXPECT_NE(r.err.find(": Is a directory"), std::string::npos) << r.err;
+  }
+}
+
+TEST_F(RunCli, OutOfRangeFlagsAreUsageErrorsNamingTheFlag) {
+  struct Case {
+    std::vector<std::string> flags;
+    const char* says;
+  };
+  for (const auto& c : std::vector<Case>{
+           {{"--timeout", "1e10"}, "--timeout must be a number of seconds from 0 to 31536000"},
+           {{"--timeout", "nan"}, "--timeout must be a number of seconds"},
+           {{"--timeout", "-1"}, "--timeout must be a number of seconds"},
+           {{"--grace", "inf"}, "--grace must be a number of seconds"},
+           {{"--grace", "-0.5"}, "--grace must be a number of seconds"},
+           {{"--master-port", "70000"}, "--master-port must be a TCP port from 1 to 65535"},
+           {{"--master-port", "0"}, "--master-port must be a TCP port from 1 to 65535"},
+           {{"--nproc-per-node", "2", "--local-ranks-filter", "abc"},
+            "--local-ranks-filter takes local ranks from 0 to 1 separated by commas; \"abc\""},
+           {{"--nproc-per-node", "2", "--local-ranks-filter", "0,2"}, "\"2\" is not one"},
+           {{"--nproc-per-node", "2", "--local-ranks-filter", "0,"}, "\"\" is not one"},
+       }) {
+    std::string marker = dir_.path() + "/started";
+    auto args = c.flags;
+    args.insert(args.end(), {"--", "touch", marker});
+    auto r = run(args);
+    EXPECT_EQ(r.exit_code, 2) << c.flags[0] << " " << c.flags.back() << ": " << r.err;
+    EXPECT_NE(r.err.find(c.says), std::string::npos) << r.err;
+    struct stat st {};
+    EXPECT_NE(::stat(marker.c_str(), &st), 0) << "no rank may start";
+  }
+}
+
+TEST_F(RunCli, AReportThatCannotBeWrittenIsAnError) {
+  auto r = run({"--json-report", "/dev/full", "--", "true"});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("cannot write the JSON report to /dev/full: No space left on device"),
             std::string::npos)
       << r.err;
+  r = run({"--json-report", dir_.path() + "/no/such/dir/r.json", "--", "true"});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("No such file or directory"), std::string::npos) << r.err;
+  // A failed run keeps its rank's exit code, and still says the report is missing.
+  r = run({"--json-report", "/dev/full", "--", "sh", "-c", "exit 7"});
+  EXPECT_EQ(r.exit_code, 7) << r.err;
+  EXPECT_NE(r.err.find("cannot write the JSON report"), std::string::npos) << r.err;
 }
 
 TEST_F(RunCli, UnderMpirunEachNodeFansOutItsRanks) {

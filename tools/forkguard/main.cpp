@@ -4,7 +4,11 @@
 
 #include <unistd.h>
 
+#include <cerrno>
+#include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
@@ -62,11 +66,35 @@ struct RunFlags {
   std::vector<std::string> command;
 };
 
-void write_report(const std::string& path, const forkguard::launch::Result& result) {
-  if (path.empty()) return;
-  std::ofstream out(path);
-  out << result.to_json() << "\n";
-  if (!out) fmt::print(stderr, "forkguard run: cannot write the JSON report to {}\n", path);
+// False (and said) when the report cannot be written in full: a full disk, a missing folder.
+bool write_report(const std::string& path, const forkguard::launch::Result& result) {
+  if (path.empty()) return true;
+  const std::string text = result.to_json() + "\n";
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  int err = f == nullptr ? errno : 0;
+  if (f != nullptr) {
+    if (std::fwrite(text.data(), 1, text.size(), f) != text.size() || std::fflush(f) != 0) {
+      err = errno;
+    }
+    if (std::fclose(f) != 0 && err == 0) err = errno;
+  }
+  if (err == 0) return true;
+  fmt::print(stderr, "forkguard run: cannot write the JSON report to {}: {}\n", path,
+             std::strerror(err));
+  return false;
+}
+
+// Seconds from a flag: finite, not negative, at most a year (past that the milliseconds would
+// overflow the clock arithmetic).
+std::optional<std::chrono::milliseconds> seconds_flag(const char* flag, double v) {
+  constexpr double kYear = 365.0 * 24 * 3600;
+  if (!std::isfinite(v) || v < 0 || v > kYear) {
+    fmt::print(stderr,
+               "forkguard run: {} must be a number of seconds from 0 to {:.0f} (a year), not {}\n",
+               flag, kYear, v);
+    return std::nullopt;
+  }
+  return std::chrono::milliseconds(static_cast<long>(v * 1000));
 }
 
 int run(int argc, char** argv, const RunFlags& f) {
@@ -106,19 +134,38 @@ int run(int argc, char** argv, const RunFlags& f) {
   o.log.log_dir = f.log_dir;
   o.log.prefix = !f.no_prefix;
   if (!f.ranks_filter.empty()) {
-    std::stringstream ss(f.ranks_filter);
-    std::string item;
-    while (std::getline(ss, item, ',')) o.log.console_ranks.push_back(std::atoi(item.c_str()));
+    for (size_t pos = 0; pos <= f.ranks_filter.size();) {
+      size_t comma = std::min(f.ranks_filter.find(',', pos), f.ranks_filter.size());
+      std::string item = f.ranks_filter.substr(pos, comma - pos);
+      pos = comma + 1;
+      char* end = nullptr;
+      long r = std::strtol(item.c_str(), &end, 10);
+      if (item.empty() || *end != '\0' || r < 0 || r >= o.nproc) {
+        fmt::print(stderr,
+                   "forkguard run: --local-ranks-filter takes local ranks from 0 to {} separated "
+                   "by commas; \"{}\" is not one\n",
+                   o.nproc - 1, item);
+        return 2;
+      }
+      o.log.console_ranks.push_back(static_cast<int>(r));
+    }
   }
   o.gpus = {f.bind_gpus, f.allow_sharing};
-  o.stop.grace = std::chrono::milliseconds(static_cast<long>(f.grace * 1000));
-  if (f.timeout > 0) o.timeout = std::chrono::milliseconds(static_cast<long>(f.timeout * 1000));
+  auto grace = seconds_flag("--grace", f.grace);
+  auto timeout = seconds_flag("--timeout", f.timeout);
+  if (!grace || !timeout) return 2;
+  o.stop.grace = *grace;
+  if (timeout->count() > 0) o.timeout = *timeout;
+  if (f.master_port && (*f.master_port < 1 || *f.master_port > 65535)) {
+    fmt::print(stderr, "forkguard run: --master-port must be a TCP port from 1 to 65535, not {}\n",
+               *f.master_port);
+    return 2;
+  }
   o.quiet = f.quiet;
   if (o.start == fl::StartMethod::kForkServer) forkguard::init(argc, argv);
   try {
     auto result = fl::run(o, f.command);
-    write_report(f.json_report, result);
-    return 0;
+    return write_report(f.json_report, result) ? 0 : 1;
   } catch (const fl::RankFailedError& e) {
     fmt::print(stderr, "forkguard run: {}", e.what());
     write_report(f.json_report, e.result());
@@ -129,6 +176,9 @@ int run(int argc, char** argv, const RunFlags& f) {
   } catch (const fl::PlacementError& e) {
     fmt::print(stderr, "forkguard run: {}\n", e.what());
     return 2;
+  } catch (const fl::SpawnError& e) {
+    fmt::print(stderr, "forkguard run: {}\n", e.what());
+    return e.exit_code();
   }
 }
 
@@ -316,10 +366,8 @@ int main(int argc, char** argv) {
   runc->add_flag("--allow-gpu-sharing", rf.allow_sharing,
                  "With --bind-gpus, share GPUs round-robin when there are more ranks than GPUs");
   runc->add_option("--grace", rf.grace, "Seconds between SIGTERM and SIGKILL when stopping ranks")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
-  runc->add_option("--timeout", rf.timeout, "Stop every rank after this many seconds (0: never)")
-      ->check(CLI::NonNegativeNumber);
+      ->capture_default_str();
+  runc->add_option("--timeout", rf.timeout, "Stop every rank after this many seconds (0: never)");
   runc->add_option("--json-report", rf.json_report,
                    "Write the per-rank report (exit status, duration, stderr tail) as JSON");
   runc->add_flag("--quiet", rf.quiet, "No notices from forkguard itself");

@@ -78,9 +78,16 @@ class DirtyForkError : public Error {
 };
 
 // A rank could not be started ("failed to execute X: ...", "error preparing to execute X").
+// exit_code() follows the shell's (and env's, timeout's) convention: 127 when the command does
+// not exist, 126 when it exists but cannot be executed, 1 for any other failure to start.
 class SpawnError : public Error {
  public:
-  using Error::Error;
+  explicit SpawnError(const std::string& what, int exit_code = 1)
+      : Error(what), exit_code_(exit_code) {}
+  int exit_code() const noexcept { return exit_code_; }
+
+ private:
+  int exit_code_;
 };
 
 Result launch(const Options& options, std::string_view entry, const std::vector<std::string>& args);
