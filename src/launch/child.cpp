@@ -44,7 +44,9 @@ std::string resolve_executable(const std::string& name, const EnvMap& env) {
 }
 
 // What the shell (and env, timeout) exit with when a command cannot be run.
-int shell_exit_code(int err) { return err == ENOENT || err == ENOTDIR ? 127 : 126; }
+int shell_exit_code(int err) {
+  return err == ENOENT || err == ENOTDIR ? 127 : 126;
+}
 
 void close_fds_except(int keep) noexcept {
   if (keep < 3) {
@@ -73,8 +75,8 @@ void check_executable(const std::string& name, const EnvMap& env) {
   }
   if (err == 0) return;
   if (searched && path == name) {
-    throw SpawnError(fmt::format("failed to execute {}: command not found (searched PATH={})",
-                                 name, env.count("PATH") ? env.at("PATH") : "unset"),
+    throw SpawnError(fmt::format("failed to execute {}: command not found (searched PATH={})", name,
+                                 env.count("PATH") ? env.at("PATH") : "unset"),
                      127);
   }
   throw SpawnError(fmt::format("failed to execute {}: {}", path, std::strerror(err)),

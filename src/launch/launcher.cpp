@@ -319,15 +319,54 @@ class Attempt {
     }
   }
 
+  // Rank output goes out as it comes, without waiting for a newline: a line still being written,
+  // or one a progress bar rewrites with '\r' (tqdm), is shown with its prefix and ended by '\r'
+  // so the next state overwrites it; only the last state of each read is shown. What is kept
+  // of an unfinished line is bounded: past kMaxPartial bytes it goes out as a line of its own.
+  static constexpr size_t kMaxPartial = 64 * 1024;
+
   void emit(Rank& r, Stream& s, bool is_err, const char* data, size_t len) {
     if (s.log) forkguard::detail::write_all(s.log.get(), data, len);
     s.partial.append(data, len);
-    size_t pos = 0, nl;
-    while ((nl = s.partial.find('\n', pos)) != std::string::npos) {
-      line(r, is_err, std::string_view(s.partial).substr(pos, nl - pos));
-      pos = nl + 1;
+    std::string_view buf(s.partial);
+    std::string_view latest;  // the last '\r'-ended state not followed by a line
+    size_t pos = 0;
+    for (;;) {
+      size_t end = buf.find_first_of("\r\n", pos);
+      if (end == std::string_view::npos) break;
+      if (buf[end] == '\n') {
+        line(r, is_err, buf.substr(pos, end - pos));
+        latest = {};
+        pos = end + 1;
+      } else if (end + 1 == buf.size()) {
+        break;  // a '\r' that may be the first half of "\r\n": decided by the next read
+      } else if (buf[end + 1] == '\n') {
+        line(r, is_err, buf.substr(pos, end - pos));
+        latest = {};
+        pos = end + 2;
+      } else {
+        if (end > pos) latest = buf.substr(pos, end - pos);
+        pos = end + 1;
+      }
+    }
+    std::string_view pending = buf.substr(pos);
+    if (!pending.empty() && pending.back() == '\r') pending.remove_suffix(1);
+    if (pending.size() > kMaxPartial) {
+      line(r, is_err, pending);
+      pos = buf.size();
+    } else if (!pending.empty()) {
+      show_state(r, is_err, pending);
+    } else if (!latest.empty()) {
+      show_state(r, is_err, latest);
     }
     s.partial.erase(0, pos);
+  }
+
+  void show_state(const Rank& r, bool is_err, std::string_view text) {
+    if (!r.console) return;
+    std::string out =
+        o_.log.prefix ? fmt::format("[rank{}]:{}\r", r.rank, text) : std::string(text) + "\r";
+    forkguard::detail::write_all(is_err ? 2 : 1, out.data(), out.size());
   }
 
   void line(Rank& r, bool is_err, std::string_view text) {
@@ -357,7 +396,9 @@ class Attempt {
 
   // The unterminated last line counts as a line; then the pipe is closed.
   void close_stream(Rank& r, Stream& s, bool is_err) {
-    if (!s.partial.empty()) line(r, is_err, s.partial);
+    std::string_view rest(s.partial);
+    if (!rest.empty() && rest.back() == '\r') rest.remove_suffix(1);
+    if (!rest.empty()) line(r, is_err, rest);
     s.partial.clear();
     s.fd.reset();
   }

@@ -188,8 +188,7 @@ TEST_F(RunCli, MissingOrNonExecutableCommandsExitAsTheShellDoes) {
     std::ofstream(script) << "#!/bin/sh\necho ran\n";  // not executable
     r = run({"--start-method", method, "--", script});
     EXPECT_EQ(r.exit_code, 126) << method << r.err;
-    EXPECT_NE(r.err.find("failed to execute " + script + ": Permission denied"),
-              std::string::npos)
+    EXPECT_NE(r.err.find("failed to execute " + script + ": Permission denied"), std::string::npos)
         << r.err;
     EXPECT_EQ(r.out, "");
     r = run({"--start-method", method, "--", dir_.path()});
@@ -387,4 +386,62 @@ TEST_F(RunCli, ALauncherKilledWithSigkillEndsTheOtherNodesRanksWithAReport) {
               (tail.find("Connection reset by peer") != std::string::npos &&
                tail.find("127.0.0.1") != std::string::npos))
       << tail;
+}
+
+TEST_F(RunCli, CarriageReturnProgressIsShownAsItComes) {
+  // A tqdm-style writer: "\r" then the state, no newline until the end. Each state reaches the
+  // console at once (not at the next newline), prefixed and ended by '\r'.
+  ft::Interactive launcher({ft::kForkguard, "run", "--quiet", "--", "/usr/bin/python3", "-c",
+                            "import sys, time\n"
+                            "for i in range(3):\n"
+                            "    sys.stdout.write('\\rstep %d t=%d' % (i, "
+                            "time.clock_gettime_ns(time.CLOCK_MONOTONIC)))\n"
+                            "    sys.stdout.flush()\n"
+                            "    time.sleep(0.5)\n"
+                            "sys.stdout.write('\\rdone\\n')\n"},
+                           env_);
+  for (int i = 0; i < 3; ++i) {
+    auto state = launcher.read_until("\r", 10s);
+    const auto seen = std::chrono::steady_clock::now();  // CLOCK_MONOTONIC, as the rank's
+    const std::string want = fmt::format("[rank0]:step {} t=", i);
+    ASSERT_EQ(state.substr(0, want.size()), want) << state;
+    const auto written = std::chrono::nanoseconds(std::stoll(state.substr(want.size())));
+    const auto latency = seen.time_since_epoch() - written;
+    EXPECT_LT(latency, 100ms)
+        << "state " << i << " shown "
+        << std::chrono::duration_cast<std::chrono::milliseconds>(latency).count()
+        << " ms after it was written";
+  }
+  EXPECT_EQ(launcher.read_line(10s), "[rank0]:done");
+  int status = launcher.finish();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
+TEST_F(RunCli, MillionsOfCarriageReturnUpdatesKeepTheLauncherSmall) {
+  // 3 million '\r' updates (about 100 MB without a newline): the launcher's peak RSS (read by
+  // the rank from its parent's /proc status at the end) stays that of a launcher at rest.
+  auto peak_kb = [&](int updates) {
+    auto r = run({"--quiet", "--start-method", "spawn", "--", "/usr/bin/python3", "-c",
+                  fmt::format("import os, sys\n"
+                              "w = sys.stdout.write\n"
+                              "for i in range({}):\n"
+                              "    w('\\r%8d |##########| it/s' % i)\n"
+                              "w('\\n')\n"
+                              "sys.stdout.flush()\n"
+                              "for l in open('/proc/%d/status' % os.getppid()):\n"
+                              "    if l.startswith('VmHWM:'): print('peak', l.split()[1])\n",
+                              updates)});
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    auto at = r.out.find("[rank0]:peak ");
+    EXPECT_NE(at, std::string::npos) << r.out.substr(0, 200);
+    if (at == std::string::npos) return 0L;
+    EXPECT_NE(r.out.find(fmt::format("{:8d} |##########| it/s\n", updates - 1)), std::string::npos)
+        << "the last state ends as a line";
+    EXPECT_LT(r.out.size(), 10u << 20) << "only the last state of each read is shown";
+    return std::stol(r.out.substr(at + 13));
+  };
+  const long at_rest = peak_kb(10);
+  const long busy = peak_kb(3'000'000);
+  EXPECT_LT(busy, at_rest + 4096) << "peak RSS " << busy << " kB against " << at_rest
+                                  << " kB at rest";
 }

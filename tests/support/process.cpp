@@ -143,13 +143,19 @@ void Interactive::send(const std::string& line) {
 }
 
 std::string Interactive::read_line(std::chrono::milliseconds timeout) {
+  std::string line = read_until("\n", timeout);
+  line.pop_back();
+  return line;
+}
+
+std::string Interactive::read_until(std::string_view needle, std::chrono::milliseconds timeout) {
   auto deadline = Clock::now() + timeout;
   while (true) {
-    auto nl = buffer_.find('\n');
-    if (nl != std::string::npos) {
-      std::string line = buffer_.substr(0, nl);
-      buffer_.erase(0, nl + 1);
-      return line;
+    auto at = buffer_.find(needle);
+    if (at != std::string::npos) {
+      std::string out = buffer_.substr(0, at + needle.size());
+      buffer_.erase(0, at + needle.size());
+      return out;
     }
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (left.count() <= 0) throw std::runtime_error("helper did not answer in time");

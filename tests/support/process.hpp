@@ -9,6 +9,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace forkguard::testing {
@@ -39,6 +40,9 @@ class Interactive {
                   std::chrono::milliseconds timeout = std::chrono::seconds(30));
   void send(const std::string& line);
   std::string read_line(std::chrono::milliseconds timeout = std::chrono::seconds(30));
+  // Everything up to and including `needle` (no line buffering: for \r-updated output).
+  std::string read_until(std::string_view needle,
+                         std::chrono::milliseconds timeout = std::chrono::seconds(30));
   pid_t pid() const { return pid_; }
   // Closes stdin and waits; returns the wait status.
   int finish();
