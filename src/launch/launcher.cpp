@@ -89,8 +89,14 @@ StartMethod resolve_method(const Options& o, const Job& job) {
 
 struct Stream {
   UniqueFd fd;
-  std::string partial;
+  std::string partial;  // the unfinished line
   UniqueFd log;
+  // The state to show on the console (a '\r'-ended or an unfinished line) and when.
+  std::string state;
+  bool state_unfinished = false;
+  Clock::time_point show_at{};  // zero: nothing to show
+  Clock::time_point shown_at{};
+  size_t shown_len = 0;  // bytes at the start of `partial` already shown as a state
 };
 
 struct Rank {
@@ -319,11 +325,14 @@ class Attempt {
     }
   }
 
-  // Rank output goes out as it comes, without waiting for a newline: a line still being written,
-  // or one a progress bar rewrites with '\r' (tqdm), is shown with its prefix and ended by '\r'
-  // so the next state overwrites it; only the last state of each read is shown. What is kept
-  // of an unfinished line is bounded: past kMaxPartial bytes it goes out as a line of its own.
+  // Rank output goes out as it comes, without waiting for a newline. A state a progress bar ends
+  // with '\r' (tqdm) is shown at once; a line still unfinished kStateInterval after its last
+  // piece came (tqdm's "\rstate") is shown then. Both go out with the prefix and end with '\r',
+  // so the next state overwrites them on a terminal; a line that is merely written in two pieces
+  // is shown once, whole. At most one state per kStateInterval reaches the console (the latest),
+  // and an unfinished line is kept up to kMaxPartial bytes, then goes out as a line of its own.
   static constexpr size_t kMaxPartial = 64 * 1024;
+  static constexpr std::chrono::milliseconds kStateInterval{30};
 
   void emit(Rank& r, Stream& s, bool is_err, const char* data, size_t len) {
     if (s.log) forkguard::detail::write_all(s.log.get(), data, len);
@@ -345,21 +354,49 @@ class Attempt {
         latest = {};
         pos = end + 2;
       } else {
-        if (end > pos) latest = buf.substr(pos, end - pos);
+        const bool shown = pos == 0 && end == s.shown_len;  // the unfinished line shown already
+        if (end > pos && !shown) latest = buf.substr(pos, end - pos);
         pos = end + 1;
       }
     }
     std::string_view pending = buf.substr(pos);
     if (!pending.empty() && pending.back() == '\r') pending.remove_suffix(1);
+    const auto now = Clock::now();
+    const auto not_before = s.shown_at + kStateInterval;
     if (pending.size() > kMaxPartial) {
       line(r, is_err, pending);
       pos = buf.size();
+      s.show_at = {};
     } else if (!pending.empty()) {
-      show_state(r, is_err, pending);
+      s.state.assign(pending);
+      s.state_unfinished = true;
+      s.show_at = std::max(now + kStateInterval, not_before);
     } else if (!latest.empty()) {
-      show_state(r, is_err, latest);
+      s.state.assign(latest);
+      s.state_unfinished = false;
+      s.show_at = std::max(now, not_before);
+    } else if (pos > 0) {
+      s.show_at = {};  // a line went out after the last state
     }
+    if (pos > 0) s.shown_len = 0;
     s.partial.erase(0, pos);
+  }
+
+  // Shows the states that are due by `now`; `next` is the earliest of those not yet due.
+  void show_due(Clock::time_point now, Clock::time_point& next) {
+    for (auto& r : ranks_) {
+      for (auto [s, is_err] : {std::pair{&r.out, false}, std::pair{&r.err, true}}) {
+        if (s->show_at == Clock::time_point{}) continue;
+        if (s->show_at > now) {
+          if (next == Clock::time_point{} || s->show_at < next) next = s->show_at;
+          continue;
+        }
+        show_state(r, is_err, s->state);
+        s->shown_len = s->state_unfinished ? s->state.size() : 0;
+        s->shown_at = now;
+        s->show_at = {};
+      }
+    }
   }
 
   void show_state(const Rank& r, bool is_err, std::string_view text) {
@@ -398,7 +435,12 @@ class Attempt {
   void close_stream(Rank& r, Stream& s, bool is_err) {
     std::string_view rest(s.partial);
     if (!rest.empty() && rest.back() == '\r') rest.remove_suffix(1);
-    if (!rest.empty()) line(r, is_err, rest);
+    if (!rest.empty()) {
+      line(r, is_err, rest);
+    } else if (s.show_at != Clock::time_point{} && !s.state.empty()) {
+      line(r, is_err, s.state);  // the last '\r' state, not shown yet
+    }
+    s.show_at = {};
     s.partial.clear();
     s.fd.reset();
   }
@@ -463,6 +505,9 @@ class Attempt {
       };
       if (stopping_ && !killed_) until(kill_at_);
       if (has_deadline && !timed_out_) until(deadline);
+      Clock::time_point show_next{};
+      show_due(now, show_next);
+      if (show_next != Clock::time_point{}) until(show_next);
       int n = ::poll(fds.data(), fds.size(), timeout_ms);
       if (n < 0 && errno != EINTR) throw SystemError("poll", errno);
       now = Clock::now();

