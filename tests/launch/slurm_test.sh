@@ -3,7 +3,8 @@
 #   a. srun -N 2 --ntasks-per-node 1 forkguard run --nproc-per-node 2: a 4-rank gloo world whose
 #      rendezvous comes from Slurm alone (no MASTER_ADDR/MASTER_PORT anywhere);
 #   b. the same from an sbatch script;
-#   c. scancel of a running 2-node job: no rank outlives it.
+#   c. scancel of a running 2-node job: no rank outlives it;
+#   d. forkguard run in a 2-node batch script outside srun: refused with the cure.
 # Usage: slurm_test.sh BUILD_DIR SOURCE_DIR. Exit 77 (skipped) where the cluster cannot run.
 # Every wait is bounded; all of them together stay under ctest's TIMEOUT (300 s), so the EXIT trap
 # always gets to stop the cluster (a test killed by ctest could not).
@@ -250,6 +251,31 @@ $timing)"
     show c.err
     for f in c/rank*.signal; do [ -e "$f" ] && show "$f"; done
   fi
+fi
+
+# --- d. forkguard run straight in the batch script of a 2-node job (no srun): refused at once with
+# the cure (exit 2), instead of node 0 waiting for nodes that never start.
+name="forkguard run in a 2-node batch script without srun: refused with exit 2 and the cure"
+cat >d.sbatch <<EOF
+#!/bin/bash
+#SBATCH -N 2
+#SBATCH --job-name=slurm-test-d
+#SBATCH --output=$scratch/d.out
+#SBATCH --time=1
+timeout 20 "$fg" run --nproc-per-node 2 -- "$python" "$rank_py"
+echo "exit code \$?"
+EOF
+job=$(timeout 10 sbatch --parsable d.sbatch || true)
+deadline=$((SECONDS + 30))
+while [ -n "$job" ] && ((SECONDS < deadline)) && [ -n "$(squeue -h -j "$job" 2>/dev/null)" ]; do
+  sleep 0.2
+done
+if grep -q 'this is the batch script of a 2-node Slurm job (SLURM_NNODES=2)' d.out 2>/dev/null &&
+  grep -q 'srun --ntasks-per-node=1 forkguard run' d.out && grep -qx 'exit code 2' d.out; then
+  ok "$name"
+else
+  not_ok "$name (job ${job:-not submitted})"
+  show d.out
 fi
 
 echo "# $failures failed"
