@@ -205,7 +205,7 @@ class _Rank:
         self.fds: Dict[int, str] = {}  # our read ends: fd -> "out" | "err" | "res"
         self.partial = {"out": b"", "err": b""}
         self.tail: List[str] = []  # last stderr lines
-        self.result = b""
+        self.result = bytearray()  # grown in place: linear in the size of the return value
         self.status: Optional[int] = None
         self.outcome = None
         self.failed_at: Optional[float] = None
@@ -350,6 +350,18 @@ def _claim_exits(server, by_pid):
         by_pid[pid].status = server.exits.pop(pid)
 
 
+def _outcome(r):
+    """The rank's pickled outcome; one cut short (the rank died while sending it) is its error."""
+    try:
+        return pickle.loads(r.result)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means the bytes are not whole
+        return ("error", "TruncatedResult",
+                f"rank {r.rank}'s return value arrived incomplete ({len(r.result)} bytes): "
+                f"{type(e).__name__}: {e}", "", None)
+    finally:
+        r.result = bytearray()
+
+
 def _mark_failures(ranks, now):
     for r in ranks:
         if r.failed_at is not None:
@@ -384,8 +396,8 @@ def _supervise(server, ranks, by_pid, grace, timeout):
                     raise Error(f"notebook_launch: unexpected message from the fork server: {msg}")
                 continue
             r = owner[fd]
-            data = os.read(fd, 1 << 16)
             kind = r.fds[fd]
+            data = os.read(fd, 1 << 20 if kind == "res" else 1 << 16)
             if kind == "res":
                 r.result += data
             else:
@@ -395,7 +407,7 @@ def _supervise(server, ranks, by_pid, grace, timeout):
                 os.close(fd)
                 del r.fds[fd]
                 if kind == "res" and r.result:
-                    r.outcome = pickle.loads(r.result)
+                    r.outcome = _outcome(r)
                 elif kind != "res":
                     _emit(r, kind, b"", final=True)
         _claim_exits(server, by_pid)

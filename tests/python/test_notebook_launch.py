@@ -126,3 +126,42 @@ def test_nothing_left_running_after_stop():
     forkguard.stop_server()
     assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
     forkguard.start_server(wait=True)
+
+
+def big_result(mb):
+    return os.urandom(1 << 20) * mb
+
+
+def test_a_200_mb_return_value_arrives_in_linear_time():
+    start = time.monotonic()
+    res = forkguard.notebook_launch(big_result, nproc=1, args=(200,))
+    took = time.monotonic() - start
+    assert len(res[0]) == 200 << 20 and res[0][:1 << 20] * 200 == res[0]
+    assert took < 2.0, f"200 MB took {took:.2f} s"
+
+
+def cut_short():
+    """Writes the first bytes of a pickled return value to the rank's result pipe (its one
+    write-only pipe past stderr), then exits 0: what the caller sees when a rank dies mid-send."""
+    import fcntl
+    import pickle
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if fd > 2 and target.startswith("pipe:") and \
+                fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_WRONLY:
+            os.write(fd, pickle.dumps(("ok", b"x" * 100000))[:5000])
+            os._exit(0)
+    raise RuntimeError("no result pipe found")
+
+
+def test_a_return_value_cut_short_is_a_rank_error():
+    with pytest.raises(forkguard.RankError) as err:
+        forkguard.notebook_launch(cut_short, nproc=1)
+    msg = str(err.value)
+    assert "rank 0 failed: TruncatedResult: rank 0's return value arrived incomplete (5000 " \
+        "bytes)" in msg, msg
+    assert server_children() == []
