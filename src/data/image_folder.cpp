@@ -32,11 +32,6 @@ bool is_image(const fs::path& p) {
                      [&](const char* e) { return ext == e; });
 }
 
-// A description carries the file list itself when it is small enough for a worker's setup message:
-// the worker then reads exactly the files the loader indexed, without scanning again. Larger lists
-// are scanned again in the worker and checked against the loader's count and digest.
-constexpr size_t kListBudget = size_t(2) << 20;
-
 uint64_t digest_of(const std::vector<ImageFile>& files) {
   uint64_t h = forkguard::detail::kFnvOffset;
   for (const auto& f : files) {
@@ -65,9 +60,11 @@ bool valid_utf8(std::string_view s) {
   return true;
 }
 
-// Adds "count", "digest" and, within the budget, the list: "paths" (relative to `prefix`) as one
-// string of NUL-terminated names (no path holds a NUL; one JSON string parses far faster than
-// thousands), and "labels" as [label, run length] pairs in file order.
+// Adds "count", "digest" and the list: "paths" (relative to `prefix`) as one string of
+// NUL-terminated names (no path holds a NUL; one JSON string parses far faster than thousands),
+// and "labels" as [label, run length] pairs in file order. The worker then reads exactly the files
+// the loader indexed, without scanning again. A list JSON cannot carry (a name that is not UTF-8)
+// is left out: the worker scans again and checks its count and digest against the loader's.
 void describe_files(nlohmann::json& params, const std::vector<ImageFile>& files,
                     const std::string& prefix) {
   params["count"] = files.size();
@@ -75,8 +72,8 @@ void describe_files(nlohmann::json& params, const std::vector<ImageFile>& files,
   size_t bytes = 0;
   for (const auto& f : files) {
     if (f.path.compare(0, prefix.size(), prefix) != 0) return;
-    bytes += f.path.size() - prefix.size() + 6;  // the NUL is written "\u0000"
-    if (bytes > kListBudget || !valid_utf8(std::string_view(f.path).substr(prefix.size()))) return;
+    bytes += f.path.size() - prefix.size() + 1;
+    if (!valid_utf8(std::string_view(f.path).substr(prefix.size()))) return;
   }
   std::string paths;
   paths.reserve(bytes);

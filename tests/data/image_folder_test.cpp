@@ -49,9 +49,9 @@ TEST(ImageFolder, ClassesAndFilesAreOrderedAsTorchvisionDoes) {
   EXPECT_EQ(rebuilt->key(3), ds.key(3));
 }
 
-// A worker rebuilds the dataset from its description: a small one carries its file list (the
-// worker reads exactly the loader's files, without a scan); a large one is scanned again and must
-// match what the loader found, or the rebuild fails naming the root.
+// A worker rebuilds the dataset from its description: it carries its file list (the worker reads
+// exactly the loader's files, without a scan); one without (a name JSON cannot carry) is scanned
+// again and must match what the loader found, or the rebuild fails naming the root.
 TEST(ImageFolder, DescriptionCarriesTheFilesOrChecksTheRescan) {
   forkguard::testing::TempDir dir;
   fs::path root = fs::path(dir.path()) / "train";
@@ -67,7 +67,7 @@ TEST(ImageFolder, DescriptionCarriesTheFilesOrChecksTheRescan) {
   EXPECT_EQ(dynamic_cast<fd::ImageFolder&>(*rebuilt).classes(), ds.classes());
   auto s = rebuilt->read(4);
   EXPECT_EQ(s.label, 1);
-  // Without the list (as for a list over the size budget): the rescan finds 5 other files.
+  // Without the list (as for a name that is not UTF-8): the rescan finds 5 other files.
   d.params.erase("paths");
   d.params.erase("labels");
   try {

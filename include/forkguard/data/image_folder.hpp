@@ -9,10 +9,10 @@
 // FileList: one "path label" per line, paths relative to the list's directory unless absolute;
 // blank lines and lines starting with '#' are ignored. read() returns the file's bytes; the key is
 // its path. Both describe() themselves, so fork-server workers rebuild them: a description holds
-// the file list itself when it is under 2 MiB (about 80 000 files of ImageFolder), so the worker
-// reads exactly the loader's files without scanning; a longer list is scanned again in the
-// worker and checked against the loader's count and digest (a tree that changed in between is
-// an error, not samples silently swapped).
+// the file list itself, so the worker reads exactly the loader's files without scanning; a list
+// with a name that is not UTF-8 (JSON cannot carry it) is scanned again in the worker and checked
+// against the loader's count and digest (a tree that changed in between is an error, not samples
+// silently swapped).
 //
 // Errors (DataError, naming the path): a missing or unreadable root or list, a root without
 // class directories or without images, a malformed list line; at read(): an unreadable or
