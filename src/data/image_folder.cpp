@@ -131,6 +131,15 @@ void check_files(const nlohmann::json& p, const std::vector<ImageFile>& files,
   }
 }
 
+const char* file_type(mode_t mode) {
+  return S_ISFIFO(mode)   ? "a FIFO"
+         : S_ISSOCK(mode) ? "a socket"
+         : S_ISCHR(mode)  ? "a character device"
+         : S_ISBLK(mode)  ? "a block device"
+         : S_ISDIR(mode)  ? "a directory"
+                          : "an unknown kind of file";
+}
+
 std::string directory_prefix(const std::string& dir) {
   return (fs::path(dir) / "").string();
 }
@@ -138,13 +147,24 @@ std::string directory_prefix(const std::string& dir) {
 }  // namespace
 
 std::vector<unsigned char> read_file_bytes(const std::string& path, size_t limit) {
-  forkguard::detail::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!fd) throw DataError(fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
+  // Refused by type before open(): opening a FIFO waits for a writer forever, and opening a device
+  // can act on it. O_NONBLOCK is the second line: a file swapped for a FIFO after the stat opens
+  // at once (and fstat refuses it); for a regular file it changes nothing.
   struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    throw DataError(fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    throw DataError(fmt::format("{}: not a regular file ({})", path, file_type(st.st_mode)));
+  }
+  forkguard::detail::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
+  if (!fd) throw DataError(fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
   if (::fstat(fd.get(), &st) != 0) {
     throw DataError(fmt::format("{}: cannot stat: {}", path, std::strerror(errno)));
   }
-  if (!S_ISREG(st.st_mode)) throw DataError(fmt::format("{}: not a regular file", path));
+  if (!S_ISREG(st.st_mode)) {
+    throw DataError(fmt::format("{}: not a regular file ({})", path, file_type(st.st_mode)));
+  }
   if (st.st_size == 0) throw DataError(fmt::format("{}: empty file (0 bytes)", path));
   if (static_cast<size_t>(st.st_size) > limit) {
     throw DataError(

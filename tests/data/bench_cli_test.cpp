@@ -2,6 +2,8 @@
 // number or kind of workers; bad files are skipped and counted, or named in the error.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -141,6 +143,9 @@ TEST(BenchLoaderCli, EveryBadInputIsNamedUnderErrorAndCountedUnderSkip) {
        "20000x20000 = 400000000 pixels, more than max_pixels (100000000)"},
       {"gone.jpg", [](const fs::path& p) { fs::create_symlink(p.string() + ".missing", p); },
        "cannot open: No such file or directory"},
+      // Opened, a FIFO waits for a writer forever: refused by its type.
+      {"pipe.jpg", [](const fs::path& p) { ASSERT_EQ(::mkfifo(p.c_str(), 0600), 0); },
+       "not a regular file (a FIFO)"},
   };
   for (const auto& bad : cases) {
     ft::TempDir dir;

@@ -1,13 +1,20 @@
 #include "forkguard/data/image_folder.hpp"
 
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 
+#include "detail/fd.hpp"
 #include "forkguard/data/error.hpp"
 #include "process.hpp"
 #include "test_images.hpp"
@@ -121,6 +128,46 @@ TEST(ImageFolder, BadRootsAndFilesAreNamed) {
     EXPECT_NE(ft::data_error_of([&] { ds.read(0); }).find("cannot open: Permission denied"),
               std::string::npos);
   }
+}
+
+// A FIFO, a socket or a device named like an image is refused by its type before it is opened:
+// opening a FIFO waits for a writer forever (the loader hung, thread workers stuck in open()).
+TEST(ImageFolder, SpecialFilesAreRefusedByTypeBeforeTheyAreOpened) {
+  forkguard::testing::TempDir dir;
+  const fs::path root = fs::path(dir.path()) / "train";
+  write(root / "a" / "ok.jpg", "x");
+  const fs::path fifo = root / "a" / "pipe.jpg";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const fs::path sock = root / "b" / "sock.png";
+  fs::create_directories(sock.parent_path());
+  {
+    forkguard::detail::UniqueFd s(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    ASSERT_LT(sock.string().size(), sizeof addr.sun_path);
+    std::strcpy(addr.sun_path, sock.c_str());
+    ASSERT_EQ(::bind(s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  }
+  fd::ImageFolder ds(root.string());
+  ASSERT_EQ(ds.size(), 3u);  // listed as torchvision lists them; refused when read
+  ASSERT_EQ(ds.key(1), fifo.string());
+  auto read_fifo =
+      std::async(std::launch::async, [&] { return ft::data_error_of([&] { ds.read(1); }); });
+  if (read_fifo.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    ADD_FAILURE() << "read() of a FIFO hangs";
+    // Be the writer it waits for, so that the test ends.
+    forkguard::detail::UniqueFd w(::open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC));
+  }
+  EXPECT_EQ(read_fifo.get(), fifo.string() + ": not a regular file (a FIFO)");
+  EXPECT_EQ(ft::data_error_of([&] { ds.read(2); }),
+            sock.string() + ": not a regular file (a socket)");
+  // A file list naming a device: refused without opening it.
+  write(root / "list.txt", "/dev/null 0\nb/sock.png 1\n");
+  fd::FileList list((root / "list.txt").string());
+  EXPECT_EQ(ft::data_error_of([&] { list.read(0); }),
+            "/dev/null: not a regular file (a character device)");
+  EXPECT_EQ(ft::data_error_of([&] { list.read(1); }),
+            sock.string() + ": not a regular file (a socket)");
 }
 
 TEST(FileList, PathsAreRelativeToTheListAndLinesAreChecked) {
