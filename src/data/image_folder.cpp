@@ -131,6 +131,10 @@ void check_files(const nlohmann::json& p, const std::vector<ImageFile>& files,
   }
 }
 
+bool not_found(const std::error_code& ec) {
+  return ec == std::errc::no_such_file_or_directory || ec == std::errc::not_a_directory;
+}
+
 const char* file_type(mode_t mode) {
   return S_ISFIFO(mode)   ? "a FIFO"
          : S_ISSOCK(mode) ? "a socket"
@@ -195,8 +199,16 @@ ImageFolder::ImageFolder(std::string root) : root_(std::move(root)) {
     throw DataError(fmt::format("{}: not a directory ({})", root_,
                                 ec ? ec.message() : std::string("missing or not a directory")));
   }
-  for (const auto& e : fs::directory_iterator(root_, ec)) {
-    if (e.is_directory()) classes_.push_back(e.path().filename().string());
+  for (auto it = fs::directory_iterator(root_, ec); !ec && it != fs::directory_iterator();
+       it.increment(ec)) {
+    // A class entry whose type cannot be told (a symlink loop, no permission) is an error, as in
+    // torchvision (os.scandir's is_dir() raises); a dangling symlink is no class.
+    std::error_code type_ec;
+    const bool dir = it->is_directory(type_ec);
+    if (type_ec && !not_found(type_ec)) {
+      throw DataError(fmt::format("{}: cannot stat: {}", it->path().string(), type_ec.message()));
+    }
+    if (dir) classes_.push_back(it->path().filename().string());
   }
   if (ec) throw DataError(fmt::format("{}: cannot list: {}", root_, ec.message()));
   std::sort(classes_.begin(), classes_.end());
@@ -215,7 +227,11 @@ ImageFolder::ImageFolder(std::string root) : root_(std::move(root)) {
     for (auto it = fs::recursive_directory_iterator(dir, opts, ec);
          !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
       const fs::path& p = it->path();
-      if (is_image(p) && !it->is_directory()) {
+      // An entry whose type cannot be told (a symlink loop, a dangling link) is a file, as in
+      // torchvision's os.walk: its read names it and the error (a bad sample, skipped under
+      // BadSample::kSkip), and the indices stay torchvision's.
+      std::error_code type_ec;
+      if (is_image(p) && !it->is_directory(type_ec)) {
         found.emplace_back(p.parent_path().string(), p.filename().string());
       }
     }

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -146,6 +147,8 @@ TEST(BenchLoaderCli, EveryBadInputIsNamedUnderErrorAndCountedUnderSkip) {
       // Opened, a FIFO waits for a writer forever: refused by its type.
       {"pipe.jpg", [](const fs::path& p) { ASSERT_EQ(::mkfifo(p.c_str(), 0600), 0); },
        "not a regular file (a FIFO)"},
+      {"loop.jpg", [](const fs::path& p) { fs::create_symlink(p.filename(), p); },
+       "cannot open: Too many levels of symbolic links"},
   };
   for (const auto& bad : cases) {
     ft::TempDir dir;
@@ -182,6 +185,25 @@ TEST(BenchLoaderCli, MissingOrEmptyDatasetIsNamed) {
       EXPECT_NE(r.exit_code, 0) << path;
       EXPECT_NE(r.err.find(path + ": " + reason), std::string::npos) << r.err;
     }
+  }
+}
+
+// `bench decode` reads every file in the main thread: a FIFO or a symlink loop among them is named,
+// not a hang or an abort (exit 134).
+TEST(BenchDecodeCli, FifosAndSymlinkLoopsAreNamed) {
+  for (const char* name : {"pipe.jpg", "loop.jpg"}) {
+    ft::TempDir dir;
+    auto root = make_folder(dir.path() + "/imgs");
+    const fs::path file = fs::path(root) / "class_2" / name;
+    if (name[0] == 'p') {
+      ASSERT_EQ(::mkfifo(file.c_str(), 0600), 0);
+    } else {
+      fs::create_symlink(file.filename(), file);
+    }
+    auto r = ft::run({ft::kForkguard, "bench", "decode", "--data", root, "--workers", "1"}, {},
+                     std::chrono::seconds(20));
+    EXPECT_EQ(r.exit_code, 1) << name << ": " << r.err;
+    EXPECT_NE(r.err.find(file.string() + ": "), std::string::npos) << r.err;
   }
 }
 

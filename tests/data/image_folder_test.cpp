@@ -170,6 +170,30 @@ TEST(ImageFolder, SpecialFilesAreRefusedByTypeBeforeTheyAreOpened) {
             sock.string() + ": not a regular file (a socket)");
 }
 
+// A symlink loop named like an image is a sample that cannot be read, named with its path (as
+// torchvision's os.walk lists it); a loop where a class directory would be fails the scan naming
+// it. Neither may escape as std::filesystem_error (the CLI aborted: exit 134).
+TEST(ImageFolder, SymlinkLoopsAreNamedWithTheirPath) {
+  forkguard::testing::TempDir dir;
+  const fs::path root = fs::path(dir.path()) / "train";
+  write(root / "a" / "ok.jpg", "x");
+  fs::create_directories(root / "b");
+  write(root / "b" / "y.jpg", "y");
+  const fs::path loop = root / "b" / "z.jpg";
+  fs::create_symlink("z.jpg", loop);
+  std::optional<fd::ImageFolder> ds;
+  EXPECT_EQ(ft::data_error_of([&] { ds.emplace(root.string()); }), "(no error)");
+  ASSERT_TRUE(ds.has_value());
+  ASSERT_EQ(ds->size(), 3u);
+  EXPECT_EQ(ds->key(2), loop.string());
+  EXPECT_EQ(ft::data_error_of([&] { ds->read(2); }),
+            loop.string() + ": cannot open: Too many levels of symbolic links");
+  EXPECT_EQ(ds->read(1).label, 1);
+  fs::create_symlink("c", root / "c");
+  EXPECT_EQ(ft::data_error_of([&] { fd::ImageFolder again(root.string()); }),
+            (root / "c").string() + ": cannot stat: Too many levels of symbolic links");
+}
+
 TEST(FileList, PathsAreRelativeToTheListAndLinesAreChecked) {
   forkguard::testing::TempDir dir;
   fs::path root = fs::path(dir.path());

@@ -397,6 +397,11 @@ int main(int argc, char** argv) {
   } catch (const forkguard::Error& e) {
     fmt::print(stderr, "forkguard: {}\n", e.what());
     return 1;
+  } catch (const std::exception& e) {
+    // Not one of ours (the library converts what it knows of): still a message and the data
+    // errors' exit code, never std::terminate's abort.
+    fmt::print(stderr, "forkguard: {}\n", e.what());
+    return 1;
   }
   return 0;
 }
