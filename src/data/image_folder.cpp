@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -22,14 +23,16 @@ namespace forkguard::data {
 namespace fs = std::filesystem;
 namespace {
 
+// torchvision's IMG_EXTENSIONS, in its order.
+constexpr std::string_view kExtensions[] = {".jpg", ".jpeg", ".png",  ".ppm", ".bmp",
+                                            ".pgm", ".tif",  ".tiff", ".webp"};
+
 bool is_image(const fs::path& p) {
   std::string ext = p.extension().string();
   std::transform(ext.begin(), ext.end(), ext.begin(),
                  [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  static const char* const kExtensions[] = {".jpg", ".jpeg", ".png",  ".ppm", ".bmp",
-                                            ".pgm", ".tif",  ".tiff", ".webp"};
   return std::any_of(std::begin(kExtensions), std::end(kExtensions),
-                     [&](const char* e) { return ext == e; });
+                     [&](std::string_view e) { return ext == e; });
 }
 
 uint64_t digest_of(const std::vector<ImageFile>& files) {
@@ -193,7 +196,8 @@ Sample FileDataset::read(size_t index) const {
   return Sample{read_file_bytes(f.path), f.label, f.path};
 }
 
-ImageFolder::ImageFolder(std::string root) : root_(std::move(root)) {
+ImageFolder::ImageFolder(std::string root, ImageFolderOptions options)
+    : root_(std::move(root)), options_(options) {
   std::error_code ec;
   if (!fs::is_directory(root_, ec)) {
     throw DataError(fmt::format("{}: not a directory ({})", root_,
@@ -216,6 +220,7 @@ ImageFolder::ImageFolder(std::string root) : root_(std::move(root)) {
     throw DataError(
         fmt::format("{}: no class directories (ImageFolder expects root/<class>/<image>)", root_));
   }
+  std::vector<std::string> empty;  // classes without a file: no label would ever be trained
   for (size_t c = 0; c < classes_.size(); ++c) {
     // (directory, file name) pairs: torchvision sorts the walk by directory, then the names
     // within each directory, comparing strings as Python does (by code point: byte order for
@@ -236,12 +241,20 @@ ImageFolder::ImageFolder(std::string root) : root_(std::move(root)) {
       }
     }
     if (ec) throw DataError(fmt::format("{}: cannot list: {}", dir.string(), ec.message()));
+    if (found.empty()) empty.push_back(classes_[c]);
     std::sort(found.begin(), found.end());
     for (auto& [d, name] : found) {
       files_.push_back({d + "/" + name, static_cast<int64_t>(c)});
     }
   }
   if (files_.empty()) throw DataError(fmt::format("{}: no image files under any class", root_));
+  if (!empty.empty() && !options_.allow_empty) {
+    // torchvision's message (ImageFolder without allow_empty), after the root.
+    throw DataError(fmt::format(
+        "{}: Found no valid file for the classes {}. Supported extensions are: {} (an unreadable "
+        "class directory counts as empty; ImageFolderOptions::allow_empty accepts them)",
+        root_, fmt::join(empty, ", "), fmt::join(kExtensions, ", ")));
+  }
 }
 
 ImageFolder::ImageFolder(std::string root, std::vector<std::string> classes,
@@ -251,7 +264,7 @@ ImageFolder::ImageFolder(std::string root, std::vector<std::string> classes,
 }
 
 std::optional<Description> ImageFolder::describe() const {
-  nlohmann::json p{{"root", root_}, {"classes", classes_}};
+  nlohmann::json p{{"root", root_}, {"classes", classes_}, {"allow_empty", options_.allow_empty}};
   describe_files(p, files_, directory_prefix(root_));
   return Description{"image_folder", std::move(p)};
 }
@@ -294,7 +307,8 @@ FORKGUARD_REGISTER_DATASET(image_folder, [](const nlohmann::json& p) {
     return std::make_unique<ImageFolder>(root, p.at("classes").get<std::vector<std::string>>(),
                                          std::move(*files));
   }
-  auto scanned = std::make_unique<ImageFolder>(root);
+  auto scanned = std::make_unique<ImageFolder>(
+      root, ImageFolderOptions{.allow_empty = p.value("allow_empty", false)});
   check_files(p, scanned->files(), root);
   return scanned;
 });

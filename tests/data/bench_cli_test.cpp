@@ -178,7 +178,13 @@ TEST(BenchLoaderCli, MissingOrEmptyDatasetIsNamed) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {dir.path() + "/nowhere", "not a directory"},
       {dir.path() + "/empty", "no class directories"},
-      {dir.path() + "/no_images", "no image files under any class"}};
+      {dir.path() + "/no_images", "no image files under any class"},
+      {dir.path() + "/empty_class", "Found no valid file for the classes b, c. "}};
+  fs::create_directories(dir.path() + "/empty_class/a");
+  write_jpeg(dir.path() + "/empty_class/a/x.jpg", 64, 48, 1);
+  fs::create_directories(dir.path() + "/empty_class/b");
+  fs::create_directories(dir.path() + "/empty_class/c");
+  std::ofstream(dir.path() + "/empty_class/c/readme.txt") << "text";
   for (const auto& [path, reason] : cases) {
     for (const char* policy : {"error", "skip"}) {
       auto r = ft::run({ft::kForkguard, "bench", "loader", "--data", path, "--bad-sample", policy});

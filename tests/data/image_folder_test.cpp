@@ -194,6 +194,31 @@ TEST(ImageFolder, SymlinkLoopsAreNamedWithTheirPath) {
             (root / "c").string() + ": cannot stat: Too many levels of symbolic links");
 }
 
+// A class directory with no image (or one that cannot be read) is an error naming it, as
+// torchvision's: without it, the loader trains without that class. allow_empty accepts it.
+TEST(ImageFolder, ClassesWithoutImagesAreNamedUnlessAllowed) {
+  forkguard::testing::TempDir dir;
+  const fs::path root = fs::path(dir.path()) / "train";
+  write(root / "a" / "x.jpg", "x");
+  fs::create_directories(root / "b");
+  write(root / "c" / "readme.txt", "not an image");
+  write(root / "d" / "deep" / "y.png", "y");
+  EXPECT_EQ(ft::data_error_of([&] { fd::ImageFolder ds(root.string()); }),
+            root.string() +
+                ": Found no valid file for the classes b, c. Supported extensions are: .jpg, "
+                ".jpeg, .png, .ppm, .bmp, .pgm, .tif, .tiff, .webp (an unreadable class directory "
+                "counts as empty; ImageFolderOptions::allow_empty accepts them)");
+  fd::ImageFolder ds(root.string(), {.allow_empty = true});
+  EXPECT_EQ(ds.classes(), (std::vector<std::string>{"a", "b", "c", "d"}));
+  ASSERT_EQ(ds.size(), 2u);
+  EXPECT_EQ(ds.read(1).label, 3);  // labels keep the classes' positions
+  // A worker that scans again (no list in the description) accepts them too.
+  auto d = *ds.describe();
+  d.params.erase("paths");
+  d.params.erase("labels");
+  EXPECT_EQ(fd::make_dataset(d)->size(), 2u);
+}
+
 TEST(FileList, PathsAreRelativeToTheListAndLinesAreChecked) {
   forkguard::testing::TempDir dir;
   fs::path root = fs::path(dir.path());
