@@ -38,7 +38,9 @@ class ImageLoader:
     consumer's thread. ``device="cuda"``: batches copied to the GPU by the loader (pinned,
     asynchronous) before they are yielded. ``bad_sample``: "error" raises DataError naming the
     file; "skip" substitutes another sample and records it (``images.skipped``, stats).
-    ``distributed``: shard by RANK/WORLD_SIZE like DistributedSampler.
+    ``distributed``: shard by RANK/WORLD_SIZE like DistributedSampler. ``allow_empty``
+    (imagefolder): accept class folders without a valid file, as torchvision's ImageFolder
+    ``allow_empty``; else they raise DataError ("Found no valid file for the classes ...").
 
     Randomness depends only on (seed, epoch, index): the same batches for any worker count or
     kind. Each ``for`` loop is one epoch (the next epoch unless ``set_epoch`` says otherwise).
@@ -54,7 +56,7 @@ class ImageLoader:
                  scale: Tuple[float, float] = (0.08, 1.0),
                  ratio: Tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0), flip: float = 0.5,
                  mean: Sequence[float] = (0.485, 0.456, 0.406),
-                 std: Sequence[float] = (0.229, 0.224, 0.225)):
+                 std: Sequence[float] = (0.229, 0.224, 0.225), allow_empty: bool = False):
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         if workers < 0:
@@ -76,6 +78,7 @@ class ImageLoader:
         a.drop_last = drop_last
         a.distributed = distributed
         a.bad_sample = bad_sample
+        a.allow_empty = allow_empty
         a.prefetch = prefetch
         a.timeout = float(timeout or 0)
         a.scale_min, a.scale_max = scale

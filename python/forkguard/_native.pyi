@@ -102,6 +102,7 @@ class _ImageLoaderArgs:
     drop_last: bool
     distributed: bool
     bad_sample: str
+    allow_empty: bool
     prefetch: int
     timeout: float
     scale_min: float

@@ -249,6 +249,7 @@ struct ImageLoaderArgs {
   bool drop_last = false;
   bool distributed = false;
   std::string bad_sample = "error";
+  bool allow_empty = false;  // ImageFolder: accept class directories without images
   size_t prefetch = 2;
   double timeout = 0;
   double scale_min = 0.08, scale_max = 1.0, ratio_min = 3.0 / 4.0, ratio_max = 4.0 / 3.0;
@@ -257,7 +258,10 @@ struct ImageLoaderArgs {
 };
 
 std::shared_ptr<const fd::Dataset> open_dataset(const ImageLoaderArgs& a) {
-  if (a.format == "imagefolder") return std::make_shared<fd::ImageFolder>(a.root);
+  if (a.format == "imagefolder") {
+    return std::make_shared<fd::ImageFolder>(a.root,
+                                             fd::ImageFolderOptions{.allow_empty = a.allow_empty});
+  }
   if (a.format == "filelist") return std::make_shared<fd::FileList>(a.root);
   if (a.format == "wds") return std::make_shared<fd::TarShards>(a.root);
   throw py::value_error("format: 'imagefolder', 'filelist' or 'wds', not '" + a.format + "'");
@@ -476,6 +480,7 @@ PYBIND11_MODULE(_native, m) {
       .def_readwrite("drop_last", &ImageLoaderArgs::drop_last)
       .def_readwrite("distributed", &ImageLoaderArgs::distributed)
       .def_readwrite("bad_sample", &ImageLoaderArgs::bad_sample)
+      .def_readwrite("allow_empty", &ImageLoaderArgs::allow_empty)
       .def_readwrite("prefetch", &ImageLoaderArgs::prefetch)
       .def_readwrite("timeout", &ImageLoaderArgs::timeout)
       .def_readwrite("scale_min", &ImageLoaderArgs::scale_min)

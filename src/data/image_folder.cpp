@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -22,20 +23,17 @@ namespace forkguard::data {
 namespace fs = std::filesystem;
 namespace {
 
+// torchvision's IMG_EXTENSIONS, in its order.
+constexpr std::string_view kExtensions[] = {".jpg", ".jpeg", ".png",  ".ppm", ".bmp",
+                                            ".pgm", ".tif",  ".tiff", ".webp"};
+
 bool is_image(const fs::path& p) {
   std::string ext = p.extension().string();
   std::transform(ext.begin(), ext.end(), ext.begin(),
                  [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  static const char* const kExtensions[] = {".jpg", ".jpeg", ".png",  ".ppm", ".bmp",
-                                            ".pgm", ".tif",  ".tiff", ".webp"};
   return std::any_of(std::begin(kExtensions), std::end(kExtensions),
-                     [&](const char* e) { return ext == e; });
+                     [&](std::string_view e) { return ext == e; });
 }
-
-// A description carries the file list itself when it is small enough for a worker's setup message:
-// the worker then reads exactly the files the loader indexed, without scanning again. Larger lists
-// are scanned again in the worker and checked against the loader's count and digest.
-constexpr size_t kListBudget = size_t(2) << 20;
 
 uint64_t digest_of(const std::vector<ImageFile>& files) {
   uint64_t h = forkguard::detail::kFnvOffset;
@@ -65,9 +63,11 @@ bool valid_utf8(std::string_view s) {
   return true;
 }
 
-// Adds "count", "digest" and, within the budget, the list: "paths" (relative to `prefix`) as one
-// string of NUL-terminated names (no path holds a NUL; one JSON string parses far faster than
-// thousands), and "labels" as [label, run length] pairs in file order.
+// Adds "count", "digest" and the list: "paths" (relative to `prefix`) as one string of
+// NUL-terminated names (no path holds a NUL; one JSON string parses far faster than thousands),
+// and "labels" as [label, run length] pairs in file order. The worker then reads exactly the files
+// the loader indexed, without scanning again. A list JSON cannot carry (a name that is not UTF-8)
+// is left out: the worker scans again and checks its count and digest against the loader's.
 void describe_files(nlohmann::json& params, const std::vector<ImageFile>& files,
                     const std::string& prefix) {
   params["count"] = files.size();
@@ -75,8 +75,8 @@ void describe_files(nlohmann::json& params, const std::vector<ImageFile>& files,
   size_t bytes = 0;
   for (const auto& f : files) {
     if (f.path.compare(0, prefix.size(), prefix) != 0) return;
-    bytes += f.path.size() - prefix.size() + 6;  // the NUL is written "\u0000"
-    if (bytes > kListBudget || !valid_utf8(std::string_view(f.path).substr(prefix.size()))) return;
+    bytes += f.path.size() - prefix.size() + 1;
+    if (!valid_utf8(std::string_view(f.path).substr(prefix.size()))) return;
   }
   std::string paths;
   paths.reserve(bytes);
@@ -134,6 +134,19 @@ void check_files(const nlohmann::json& p, const std::vector<ImageFile>& files,
   }
 }
 
+bool not_found(const std::error_code& ec) {
+  return ec == std::errc::no_such_file_or_directory || ec == std::errc::not_a_directory;
+}
+
+const char* file_type(mode_t mode) {
+  return S_ISFIFO(mode)   ? "a FIFO"
+         : S_ISSOCK(mode) ? "a socket"
+         : S_ISCHR(mode)  ? "a character device"
+         : S_ISBLK(mode)  ? "a block device"
+         : S_ISDIR(mode)  ? "a directory"
+                          : "an unknown kind of file";
+}
+
 std::string directory_prefix(const std::string& dir) {
   return (fs::path(dir) / "").string();
 }
@@ -141,13 +154,24 @@ std::string directory_prefix(const std::string& dir) {
 }  // namespace
 
 std::vector<unsigned char> read_file_bytes(const std::string& path, size_t limit) {
-  forkguard::detail::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!fd) throw DataError(fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
+  // Refused by type before open(): opening a FIFO waits for a writer forever, and opening a device
+  // can act on it. O_NONBLOCK is the second line: a file swapped for a FIFO after the stat opens
+  // at once (and fstat refuses it); for a regular file it changes nothing.
   struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    throw DataError(fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    throw DataError(fmt::format("{}: not a regular file ({})", path, file_type(st.st_mode)));
+  }
+  forkguard::detail::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
+  if (!fd) throw DataError(fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
   if (::fstat(fd.get(), &st) != 0) {
     throw DataError(fmt::format("{}: cannot stat: {}", path, std::strerror(errno)));
   }
-  if (!S_ISREG(st.st_mode)) throw DataError(fmt::format("{}: not a regular file", path));
+  if (!S_ISREG(st.st_mode)) {
+    throw DataError(fmt::format("{}: not a regular file ({})", path, file_type(st.st_mode)));
+  }
   if (st.st_size == 0) throw DataError(fmt::format("{}: empty file (0 bytes)", path));
   if (static_cast<size_t>(st.st_size) > limit) {
     throw DataError(
@@ -172,14 +196,23 @@ Sample FileDataset::read(size_t index) const {
   return Sample{read_file_bytes(f.path), f.label, f.path};
 }
 
-ImageFolder::ImageFolder(std::string root) : root_(std::move(root)) {
+ImageFolder::ImageFolder(std::string root, ImageFolderOptions options)
+    : root_(std::move(root)), options_(options) {
   std::error_code ec;
   if (!fs::is_directory(root_, ec)) {
     throw DataError(fmt::format("{}: not a directory ({})", root_,
                                 ec ? ec.message() : std::string("missing or not a directory")));
   }
-  for (const auto& e : fs::directory_iterator(root_, ec)) {
-    if (e.is_directory()) classes_.push_back(e.path().filename().string());
+  for (auto it = fs::directory_iterator(root_, ec); !ec && it != fs::directory_iterator();
+       it.increment(ec)) {
+    // A class entry whose type cannot be told (a symlink loop, no permission) is an error, as in
+    // torchvision (os.scandir's is_dir() raises); a dangling symlink is no class.
+    std::error_code type_ec;
+    const bool dir = it->is_directory(type_ec);
+    if (type_ec && !not_found(type_ec)) {
+      throw DataError(fmt::format("{}: cannot stat: {}", it->path().string(), type_ec.message()));
+    }
+    if (dir) classes_.push_back(it->path().filename().string());
   }
   if (ec) throw DataError(fmt::format("{}: cannot list: {}", root_, ec.message()));
   std::sort(classes_.begin(), classes_.end());
@@ -187,6 +220,7 @@ ImageFolder::ImageFolder(std::string root) : root_(std::move(root)) {
     throw DataError(
         fmt::format("{}: no class directories (ImageFolder expects root/<class>/<image>)", root_));
   }
+  std::vector<std::string> empty;  // classes without a file: no label would ever be trained
   for (size_t c = 0; c < classes_.size(); ++c) {
     // (directory, file name) pairs: torchvision sorts the walk by directory, then the names
     // within each directory, comparing strings as Python does (by code point: byte order for
@@ -198,17 +232,29 @@ ImageFolder::ImageFolder(std::string root) : root_(std::move(root)) {
     for (auto it = fs::recursive_directory_iterator(dir, opts, ec);
          !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
       const fs::path& p = it->path();
-      if (is_image(p) && !it->is_directory()) {
+      // An entry whose type cannot be told (a symlink loop, a dangling link) is a file, as in
+      // torchvision's os.walk: its read names it and the error (a bad sample, skipped under
+      // BadSample::kSkip), and the indices stay torchvision's.
+      std::error_code type_ec;
+      if (is_image(p) && !it->is_directory(type_ec)) {
         found.emplace_back(p.parent_path().string(), p.filename().string());
       }
     }
     if (ec) throw DataError(fmt::format("{}: cannot list: {}", dir.string(), ec.message()));
+    if (found.empty()) empty.push_back(classes_[c]);
     std::sort(found.begin(), found.end());
     for (auto& [d, name] : found) {
       files_.push_back({d + "/" + name, static_cast<int64_t>(c)});
     }
   }
   if (files_.empty()) throw DataError(fmt::format("{}: no image files under any class", root_));
+  if (!empty.empty() && !options_.allow_empty) {
+    // torchvision's message (ImageFolder without allow_empty), after the root.
+    throw DataError(fmt::format(
+        "{}: Found no valid file for the classes {}. Supported extensions are: {} (an unreadable "
+        "class directory counts as empty; ImageFolderOptions::allow_empty accepts them)",
+        root_, fmt::join(empty, ", "), fmt::join(kExtensions, ", ")));
+  }
 }
 
 ImageFolder::ImageFolder(std::string root, std::vector<std::string> classes,
@@ -218,7 +264,7 @@ ImageFolder::ImageFolder(std::string root, std::vector<std::string> classes,
 }
 
 std::optional<Description> ImageFolder::describe() const {
-  nlohmann::json p{{"root", root_}, {"classes", classes_}};
+  nlohmann::json p{{"root", root_}, {"classes", classes_}, {"allow_empty", options_.allow_empty}};
   describe_files(p, files_, directory_prefix(root_));
   return Description{"image_folder", std::move(p)};
 }
@@ -261,7 +307,8 @@ FORKGUARD_REGISTER_DATASET(image_folder, [](const nlohmann::json& p) {
     return std::make_unique<ImageFolder>(root, p.at("classes").get<std::vector<std::string>>(),
                                          std::move(*files));
   }
-  auto scanned = std::make_unique<ImageFolder>(root);
+  auto scanned = std::make_unique<ImageFolder>(
+      root, ImageFolderOptions{.allow_empty = p.value("allow_empty", false)});
   check_files(p, scanned->files(), root);
   return scanned;
 });

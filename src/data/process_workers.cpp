@@ -6,9 +6,11 @@
 //   objects as they are.
 // Either way the child serves the same loop: slots arrive as memfds over SCM_RIGHTS, tasks as
 // small messages, and each finished batch is answered with a small "done" message.
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -144,17 +146,59 @@ int serve(int sock, const Producer& producer) {
   }
 }
 
+// The setup travels in a sealed memfd, not in the message: a message is bounded by the socket's
+// send buffer (net.core.wmem_default, about 208 KiB), and a dataset's description lists its files
+// (tens of MB for a million of them).
+UniqueFd setup_memfd(const std::string& setup) {
+  UniqueFd fd(::memfd_create("forkguard-setup", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (!fd) throw SystemError("memfd_create for the process workers' setup", errno);
+  for (size_t done = 0; done < setup.size();) {
+    const ssize_t n =
+        ::pwrite(fd.get(), setup.data() + done, setup.size() - done, static_cast<off_t>(done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      throw SystemError(
+          fmt::format("writing the process workers' setup ({} bytes) to a memfd", setup.size()),
+          n < 0 ? errno : ENOSPC);
+    }
+    done += static_cast<size_t>(n);
+  }
+  // Sealed: every worker reads the same bytes, and none can change them for the others.
+  ::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL);
+  return fd;
+}
+
+std::string read_setup(int fd, size_t size) {
+  std::string out(size, '\0');
+  for (size_t done = 0; done < size;) {
+    const ssize_t n = ::pread(fd, out.data() + done, size - done, static_cast<off_t>(done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      throw SystemError(fmt::format("reading the worker's setup ({} bytes)", size),
+                        n < 0 ? errno : EIO);
+    }
+    done += static_cast<size_t>(n);
+  }
+  return out;
+}
+
 // The zygote function: a fork of the fork server, with the loader's socket as `sock`.
 int worker_entry(int sock) {
   std::vector<std::string> f;
   int fds[kMaxFds];
-  if (!recv_message(sock, f, fds) || f.size() != 3 || f[0] != "setup") return 2;
+  if (!recv_message(sock, f, fds)) return 2;
+  UniqueFd description(fds[0]);
+  for (int k = 1; k < kMaxFds; ++k) {
+    if (fds[k] >= 0) ::close(fds[k]);
+  }
+  if (f.size() != 3 || f[0] != "setup" || !description) return 2;
   std::unique_ptr<Dataset> dataset;
   std::unique_ptr<Transform> transform;
   WorkerSetup setup;
   int id = 0;
   try {
-    auto j = nlohmann::json::parse(f[1]);
+    auto j = nlohmann::json::parse(read_setup(description.get(), to_u64(f[1])));
+    description.reset();
     dataset = make_dataset({j.at("dataset").at("type"), j.at("dataset").at("params")});
     transform = make_transform({j.at("transform").at("type"), j.at("transform").at("params")});
     setup.dataset = dataset.get();
@@ -197,10 +241,14 @@ class ProcessWorkers : public Workers {
   ProcessWorkers(const WorkerSetup& setup, bool via_server) : setup_(setup), via_(via_server) {
     procs_.resize(static_cast<size_t>(setup.workers));
     try {
-      std::string base;  // serialized once: a small dataset's description lists its files
+      // Serialized once, into one memfd every worker reads: a dataset's description lists its
+      // files.
+      UniqueFd base;
+      size_t base_size = 0;
       if (via_server) {
+        std::string json;
         try {
-          base = setup_json().dump();
+          json = setup_json().dump();
         } catch (const nlohmann::json::exception& e) {  // e.g. a name that is not UTF-8
           throw DataError(fmt::format(
               "process workers from the fork server rebuild the dataset and transform from "
@@ -208,8 +256,10 @@ class ProcessWorkers : public Workers {
               "ProcessStart::kFork",
               e.what()));
         }
+        base = setup_memfd(json);
+        base_size = json.size();
       }
-      for (int w = 0; w < setup.workers; ++w) start(w, base);
+      for (int w = 0; w < setup.workers; ++w) start(w, base.get(), base_size);
     } catch (...) {
       stop(true);
       throw;
@@ -370,7 +420,7 @@ class ProcessWorkers : public Workers {
             {"worker_init", setup_.worker_init}};
   }
 
-  void start(int w, const std::string& setup) {
+  void start(int w, int setup_fd, size_t setup_size) {
     int sv[2];
     if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) {
       throw SystemError("socketpair for a process worker", errno);
@@ -381,14 +431,12 @@ class ProcessWorkers : public Workers {
     if (via_) {
       p.pid = ForkServer::get()->start_call(kZygoteFunction, theirs.get());
       theirs.reset();
-      if (!send_message(mine.get(), {"setup", setup, std::to_string(w)})) {
+      if (!send_message(mine.get(), {"setup", u64(setup_size), std::to_string(w)}, &setup_fd, 1)) {
         const int e = errno;
         p.sock = std::move(mine);  // closed by stop(): the worker sees EOF and exits
         p.alive = true;
-        throw DataError(fmt::format(
-            "cannot send process worker {} its setup ({} bytes of dataset and transform "
-            "description; at most {} fit in one message): {}",
-            w, setup.size(), forkguard::detail::kMaxMessage, std::strerror(e)));
+        throw DataError(fmt::format("cannot send process worker {} its setup ({} bytes): {}", w,
+                                    setup_size, std::strerror(e)));
       }
     } else {
       p.pid = guarded_fork(w, theirs.get(), mine.get());

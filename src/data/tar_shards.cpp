@@ -485,7 +485,9 @@ TarShards::TarShards(std::string pattern)
                                : fmt::format(" (from \"{}\")", pattern_);
   for (uint32_t i = 0; i < x.shards.size(); ++i) {
     const std::string& path = x.shards[i];
-    detail::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    // O_NONBLOCK: a FIFO named like a shard opens at once (and is refused below) instead of
+    // waiting for a writer forever; for a regular file it changes nothing.
+    detail::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
     if (!fd) {
       const int err = errno;
       if (err == ENOENT && x.shards.size() > 1 &&

@@ -195,7 +195,9 @@ std::string to_json(const Report& r) {
           {"problems", r.resolution.problems}}},
     };
   }
-  return j.dump(2);
+  // A process's environment and file names are bytes, not UTF-8: an invalid byte becomes
+  // U+FFFD (the text report keeps the bytes) instead of dump() throwing type_error 316.
+  return j.dump(2, ' ', false, json::error_handler_t::replace);
 }
 
 }  // namespace forkguard::doctor

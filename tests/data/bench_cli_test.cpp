@@ -2,9 +2,12 @@
 // number or kind of workers; bad files are skipped and counted, or named in the error.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -141,6 +144,11 @@ TEST(BenchLoaderCli, EveryBadInputIsNamedUnderErrorAndCountedUnderSkip) {
        "20000x20000 = 400000000 pixels, more than max_pixels (100000000)"},
       {"gone.jpg", [](const fs::path& p) { fs::create_symlink(p.string() + ".missing", p); },
        "cannot open: No such file or directory"},
+      // Opened, a FIFO waits for a writer forever: refused by its type.
+      {"pipe.jpg", [](const fs::path& p) { ASSERT_EQ(::mkfifo(p.c_str(), 0600), 0); },
+       "not a regular file (a FIFO)"},
+      {"loop.jpg", [](const fs::path& p) { fs::create_symlink(p.filename(), p); },
+       "cannot open: Too many levels of symbolic links"},
   };
   for (const auto& bad : cases) {
     ft::TempDir dir;
@@ -170,13 +178,38 @@ TEST(BenchLoaderCli, MissingOrEmptyDatasetIsNamed) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {dir.path() + "/nowhere", "not a directory"},
       {dir.path() + "/empty", "no class directories"},
-      {dir.path() + "/no_images", "no image files under any class"}};
+      {dir.path() + "/no_images", "no image files under any class"},
+      {dir.path() + "/empty_class", "Found no valid file for the classes b, c. "}};
+  fs::create_directories(dir.path() + "/empty_class/a");
+  write_jpeg(dir.path() + "/empty_class/a/x.jpg", 64, 48, 1);
+  fs::create_directories(dir.path() + "/empty_class/b");
+  fs::create_directories(dir.path() + "/empty_class/c");
+  std::ofstream(dir.path() + "/empty_class/c/readme.txt") << "text";
   for (const auto& [path, reason] : cases) {
     for (const char* policy : {"error", "skip"}) {
       auto r = ft::run({ft::kForkguard, "bench", "loader", "--data", path, "--bad-sample", policy});
       EXPECT_NE(r.exit_code, 0) << path;
       EXPECT_NE(r.err.find(path + ": " + reason), std::string::npos) << r.err;
     }
+  }
+}
+
+// `bench decode` reads every file in the main thread: a FIFO or a symlink loop among them is named,
+// not a hang or an abort (exit 134).
+TEST(BenchDecodeCli, FifosAndSymlinkLoopsAreNamed) {
+  for (const char* name : {"pipe.jpg", "loop.jpg"}) {
+    ft::TempDir dir;
+    auto root = make_folder(dir.path() + "/imgs");
+    const fs::path file = fs::path(root) / "class_2" / name;
+    if (name[0] == 'p') {
+      ASSERT_EQ(::mkfifo(file.c_str(), 0600), 0);
+    } else {
+      fs::create_symlink(file.filename(), file);
+    }
+    auto r = ft::run({ft::kForkguard, "bench", "decode", "--data", root, "--workers", "1"}, {},
+                     std::chrono::seconds(20));
+    EXPECT_EQ(r.exit_code, 1) << name << ": " << r.err;
+    EXPECT_NE(r.err.find(file.string() + ": "), std::string::npos) << r.err;
   }
 }
 

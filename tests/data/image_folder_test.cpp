@@ -1,13 +1,20 @@
 #include "forkguard/data/image_folder.hpp"
 
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 
+#include "detail/fd.hpp"
 #include "forkguard/data/error.hpp"
 #include "process.hpp"
 #include "test_images.hpp"
@@ -49,9 +56,9 @@ TEST(ImageFolder, ClassesAndFilesAreOrderedAsTorchvisionDoes) {
   EXPECT_EQ(rebuilt->key(3), ds.key(3));
 }
 
-// A worker rebuilds the dataset from its description: a small one carries its file list (the
-// worker reads exactly the loader's files, without a scan); a large one is scanned again and must
-// match what the loader found, or the rebuild fails naming the root.
+// A worker rebuilds the dataset from its description: it carries its file list (the worker reads
+// exactly the loader's files, without a scan); one without (a name JSON cannot carry) is scanned
+// again and must match what the loader found, or the rebuild fails naming the root.
 TEST(ImageFolder, DescriptionCarriesTheFilesOrChecksTheRescan) {
   forkguard::testing::TempDir dir;
   fs::path root = fs::path(dir.path()) / "train";
@@ -67,7 +74,7 @@ TEST(ImageFolder, DescriptionCarriesTheFilesOrChecksTheRescan) {
   EXPECT_EQ(dynamic_cast<fd::ImageFolder&>(*rebuilt).classes(), ds.classes());
   auto s = rebuilt->read(4);
   EXPECT_EQ(s.label, 1);
-  // Without the list (as for a list over the size budget): the rescan finds 5 other files.
+  // Without the list (as for a name that is not UTF-8): the rescan finds 5 other files.
   d.params.erase("paths");
   d.params.erase("labels");
   try {
@@ -121,6 +128,95 @@ TEST(ImageFolder, BadRootsAndFilesAreNamed) {
     EXPECT_NE(ft::data_error_of([&] { ds.read(0); }).find("cannot open: Permission denied"),
               std::string::npos);
   }
+}
+
+// A FIFO, a socket or a device named like an image is refused by its type before it is opened:
+// opening a FIFO waits for a writer forever (the loader hung, thread workers stuck in open()).
+TEST(ImageFolder, SpecialFilesAreRefusedByTypeBeforeTheyAreOpened) {
+  forkguard::testing::TempDir dir;
+  const fs::path root = fs::path(dir.path()) / "train";
+  write(root / "a" / "ok.jpg", "x");
+  const fs::path fifo = root / "a" / "pipe.jpg";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const fs::path sock = root / "b" / "sock.png";
+  fs::create_directories(sock.parent_path());
+  {
+    forkguard::detail::UniqueFd s(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    ASSERT_LT(sock.string().size(), sizeof addr.sun_path);
+    std::strcpy(addr.sun_path, sock.c_str());
+    ASSERT_EQ(::bind(s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  }
+  fd::ImageFolder ds(root.string());
+  ASSERT_EQ(ds.size(), 3u);  // listed as torchvision lists them; refused when read
+  ASSERT_EQ(ds.key(1), fifo.string());
+  auto read_fifo =
+      std::async(std::launch::async, [&] { return ft::data_error_of([&] { ds.read(1); }); });
+  if (read_fifo.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    ADD_FAILURE() << "read() of a FIFO hangs";
+    // Be the writer it waits for, so that the test ends.
+    forkguard::detail::UniqueFd w(::open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC));
+  }
+  EXPECT_EQ(read_fifo.get(), fifo.string() + ": not a regular file (a FIFO)");
+  EXPECT_EQ(ft::data_error_of([&] { ds.read(2); }),
+            sock.string() + ": not a regular file (a socket)");
+  // A file list naming a device: refused without opening it.
+  write(root / "list.txt", "/dev/null 0\nb/sock.png 1\n");
+  fd::FileList list((root / "list.txt").string());
+  EXPECT_EQ(ft::data_error_of([&] { list.read(0); }),
+            "/dev/null: not a regular file (a character device)");
+  EXPECT_EQ(ft::data_error_of([&] { list.read(1); }),
+            sock.string() + ": not a regular file (a socket)");
+}
+
+// A symlink loop named like an image is a sample that cannot be read, named with its path (as
+// torchvision's os.walk lists it); a loop where a class directory would be fails the scan naming
+// it. Neither may escape as std::filesystem_error (the CLI aborted: exit 134).
+TEST(ImageFolder, SymlinkLoopsAreNamedWithTheirPath) {
+  forkguard::testing::TempDir dir;
+  const fs::path root = fs::path(dir.path()) / "train";
+  write(root / "a" / "ok.jpg", "x");
+  fs::create_directories(root / "b");
+  write(root / "b" / "y.jpg", "y");
+  const fs::path loop = root / "b" / "z.jpg";
+  fs::create_symlink("z.jpg", loop);
+  std::optional<fd::ImageFolder> ds;
+  EXPECT_EQ(ft::data_error_of([&] { ds.emplace(root.string()); }), "(no error)");
+  ASSERT_TRUE(ds.has_value());
+  ASSERT_EQ(ds->size(), 3u);
+  EXPECT_EQ(ds->key(2), loop.string());
+  EXPECT_EQ(ft::data_error_of([&] { ds->read(2); }),
+            loop.string() + ": cannot open: Too many levels of symbolic links");
+  EXPECT_EQ(ds->read(1).label, 1);
+  fs::create_symlink("c", root / "c");
+  EXPECT_EQ(ft::data_error_of([&] { fd::ImageFolder again(root.string()); }),
+            (root / "c").string() + ": cannot stat: Too many levels of symbolic links");
+}
+
+// A class directory with no image (or one that cannot be read) is an error naming it, as
+// torchvision's: without it, the loader trains without that class. allow_empty accepts it.
+TEST(ImageFolder, ClassesWithoutImagesAreNamedUnlessAllowed) {
+  forkguard::testing::TempDir dir;
+  const fs::path root = fs::path(dir.path()) / "train";
+  write(root / "a" / "x.jpg", "x");
+  fs::create_directories(root / "b");
+  write(root / "c" / "readme.txt", "not an image");
+  write(root / "d" / "deep" / "y.png", "y");
+  EXPECT_EQ(ft::data_error_of([&] { fd::ImageFolder ds(root.string()); }),
+            root.string() +
+                ": Found no valid file for the classes b, c. Supported extensions are: .jpg, "
+                ".jpeg, .png, .ppm, .bmp, .pgm, .tif, .tiff, .webp (an unreadable class directory "
+                "counts as empty; ImageFolderOptions::allow_empty accepts them)");
+  fd::ImageFolder ds(root.string(), {.allow_empty = true});
+  EXPECT_EQ(ds.classes(), (std::vector<std::string>{"a", "b", "c", "d"}));
+  ASSERT_EQ(ds.size(), 2u);
+  EXPECT_EQ(ds.read(1).label, 3);  // labels keep the classes' positions
+  // A worker that scans again (no list in the description) accepts them too.
+  auto d = *ds.describe();
+  d.params.erase("paths");
+  d.params.erase("labels");
+  EXPECT_EQ(fd::make_dataset(d)->size(), 2u);
 }
 
 TEST(FileList, PathsAreRelativeToTheListAndLinesAreChecked) {

@@ -2,16 +2,19 @@
 // ustar, GNU and pax formats) and GNU tar, from JPEG and PNG files made with libjpeg and libpng.
 #include "forkguard/data/tar_shards.hpp"
 
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <png.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -20,6 +23,7 @@
 
 #include <jpeglib.h>
 
+#include "detail/fd.hpp"
 #include "forkguard/data/error.hpp"
 #include "forkguard/data/image_transform.hpp"
 #include "forkguard/data/loader.hpp"
@@ -212,6 +216,23 @@ TEST(TarShards, BracePatternsDirectoriesAndDescribe) {
                   "'{' without '}'");
   EXPECT_CONTAINS(ft::data_error_of([] { fd::expand_shard_pattern("s-{abc}.tar"); }),
                   "expected {first..last} or {a,b,...}");
+}
+
+// A FIFO named like a shard is refused, not waited on: open() of a FIFO blocks until a writer
+// comes, so it is opened O_NONBLOCK and its type checked.
+TEST(TarShards, AFifoNamedLikeAShardIsRefusedNotWaitedOn) {
+  ft::TempDir dir;
+  const fs::path fifo = fs::path(dir.path()) / "pipe.tar";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  auto index = std::async(std::launch::async, [&] {
+    return ft::data_error_of([&] { fd::TarShards shards(fifo.string()); });
+  });
+  if (index.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    ADD_FAILURE() << "indexing a FIFO hangs";
+    // Be the writer it waits for, so that the test ends.
+    forkguard::detail::UniqueFd w(::open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC));
+  }
+  EXPECT_EQ(index.get(), fifo.string() + ": not a regular file");
 }
 
 TEST(TarShards, MissingUnreadableAndCorruptShardsFailConstructionNamingTheShard) {

@@ -128,6 +128,45 @@ TEST_F(Doctor, EnvironmentListsGpusAndCallsOutVisibleDeviceMismatches) {
       << text.out;
 }
 
+// An environment is bytes: a value that is not UTF-8 is written as U+FFFD, not an abort (nlohmann's
+// type_error 316 escaped: exit 134, no output).
+TEST_F(Doctor, JsonCarriesAnEnvironmentThatIsNotUtf8) {
+  ft::Interactive h({ft::kCudaStage}, [&] {
+    auto env = env_;
+    env["CUDA_VISIBLE_DEVICES"] = "0,\xff";
+    return env;
+  }());
+  ASSERT_EQ(h.ask("pid"), "pid " + std::to_string(h.pid()));
+  auto r = doctor({"--pid", std::to_string(h.pid()), "--json"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  const auto j = json::parse(r.out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  EXPECT_EQ(j["environment"]["cuda_visible_devices"]["value"], "0,\xef\xbf\xbd");  // U+FFFD
+  auto text = doctor({"--pid", std::to_string(h.pid())});
+  EXPECT_NE(text.out.find("0,\xff"), std::string::npos) << text.out;  // the text keeps the bytes
+}
+
+// With --json, errors are JSON objects on stdout too (the message also goes to stderr).
+TEST_F(Doctor, JsonErrorsAreJsonObjects) {
+  auto missing = doctor({"--pid", "99999999", "--json"});
+  EXPECT_EQ(missing.exit_code, 2);
+  auto j = json::parse(missing.out, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << missing.out;
+  EXPECT_NE(j["error"].get<std::string>().find("no process with PID 99999999"), std::string::npos)
+      << j.dump();
+  EXPECT_EQ(j["exit_code"], 2);
+  EXPECT_NE(missing.err.find("no process with PID 99999999"), std::string::npos) << missing.err;
+  for (const auto& args :
+       std::vector<std::vector<std::string>>{{"--json", "--pid", "abc"}, {"--json", "--bogus"}}) {
+    auto r = doctor(args);
+    EXPECT_EQ(r.exit_code, 2);
+    auto e = json::parse(r.out, nullptr, false);
+    ASSERT_TRUE(e.is_object()) << args[1] << ": " << r.out;
+    EXPECT_FALSE(e["error"].get<std::string>().empty());
+    EXPECT_EQ(e["exit_code"], 2);
+  }
+}
+
 TEST_F(Doctor, DoctorsOwnNvmlDoesNotTaintItsVerdict) {
   auto r = doctor({});
   EXPECT_EQ(r.exit_code, 0) << r.out;

@@ -145,3 +145,20 @@ def test_stats_and_errors(images):
         forkguard.ImageLoader(images, worker_kind="green")
     with pytest.raises(forkguard.DataError, match="nowhere"):
         forkguard.ImageLoader("/nowhere/at/all")
+
+
+def test_empty_class_folders_raise_unless_allowed(tmp_path):
+    from conftest import make_images
+
+    root = make_images(tmp_path / "imgs", classes=2, per_class=4)
+    (root / "class9_empty").mkdir()
+    with pytest.raises(forkguard.DataError,
+                       match="Found no valid file for the classes class9_empty. Supported "
+                             "extensions are: .jpg, .jpeg, .png"):
+        forkguard.ImageLoader(root, batch_size=4, workers=1, size=32)
+    loader = forkguard.ImageLoader(root, batch_size=4, workers=1, size=32, allow_empty=True)
+    assert loader.dataset_size == 8
+    labels = set()
+    for _, y in loader:
+        labels |= set(torch.from_dlpack(y).tolist())
+    assert labels == {0, 1}

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 #include <thread>
 
 #include <fstream>
@@ -31,6 +32,13 @@
 
 namespace {
 
+// With --json, a failure is a JSON object on stdout too (a reader parses stdout whatever
+// happened), beside the message on stderr.
+void print_json_error(const std::string& message, int exit_code) {
+  nlohmann::ordered_json j{{"error", message}, {"exit_code", exit_code}};
+  fmt::print("{}\n", j.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
+}
+
 int doctor(int pid, bool json) {
   using namespace forkguard;
   try {
@@ -42,8 +50,22 @@ int doctor(int pid, bool json) {
     return doctor::exit_code(report);
   } catch (const probe::ProbeError& e) {
     fmt::print(stderr, "forkguard doctor: {}\n", e.what());
+    if (json) print_json_error(e.what(), doctor::kExitUsage);
     return doctor::kExitUsage;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "forkguard doctor: {}\n", e.what());
+    if (json) print_json_error(e.what(), 1);
+    return 1;
   }
+}
+
+// `forkguard doctor ... --json` as typed, for a usage error CLI11 found before it set the flag.
+bool doctor_json_requested(int argc, char** argv) {
+  if (argc < 2 || std::string_view(argv[1]) != "doctor") return false;
+  for (int i = 2; i < argc; ++i) {
+    if (std::string_view(argv[i]) == "--json") return true;
+  }
+  return false;
 }
 
 struct RunFlags {
@@ -435,6 +457,9 @@ int main(int argc, char** argv) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     app.exit(e);
+    if (doctor_json_requested(argc, argv)) {
+      print_json_error(e.what(), forkguard::doctor::kExitUsage);
+    }
     return forkguard::doctor::kExitUsage;
   }
 
@@ -447,6 +472,11 @@ int main(int argc, char** argv) {
       return bl->parsed() ? bench_loader(bf) : bench_decode(bf);
     }
   } catch (const forkguard::Error& e) {
+    fmt::print(stderr, "forkguard: {}\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    // Not one of ours (the library converts what it knows of): still a message and the data
+    // errors' exit code, never std::terminate's abort.
     fmt::print(stderr, "forkguard: {}\n", e.what());
     return 1;
   }

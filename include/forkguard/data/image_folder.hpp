@@ -9,14 +9,17 @@
 // FileList: one "path label" per line, paths relative to the list's directory unless absolute;
 // blank lines and lines starting with '#' are ignored. read() returns the file's bytes; the key is
 // its path. Both describe() themselves, so fork-server workers rebuild them: a description holds
-// the file list itself when it is under 2 MiB (about 80 000 files of ImageFolder), so the worker
-// reads exactly the loader's files without scanning; a longer list is scanned again in the
-// worker and checked against the loader's count and digest (a tree that changed in between is
-// an error, not samples silently swapped).
+// the file list itself, so the worker reads exactly the loader's files without scanning; a list
+// with a name that is not UTF-8 (JSON cannot carry it) is scanned again in the worker and checked
+// against the loader's count and digest (a tree that changed in between is an error, not samples
+// silently swapped).
 //
 // Errors (DataError, naming the path): a missing or unreadable root or list, a root without
-// class directories or without images, a malformed list line; at read(): an unreadable or
-// zero-byte file. Thread-safety: read() is const and may run concurrently.
+// class directories or without images, a class directory without images (unless
+// ImageFolderOptions::allow_empty; torchvision's "Found no valid file for the classes ..."), a
+// class entry whose type cannot be read, a malformed list line; at read(): an unreadable or
+// zero-byte file, or one that is not a regular file (a FIFO, socket or device is refused by its
+// type before it is opened). Thread-safety: read() is const and may run concurrently.
 #pragma once
 
 #include <string>
@@ -42,9 +45,15 @@ class FileDataset : public Dataset {
   std::vector<ImageFile> files_;
 };
 
+struct ImageFolderOptions {
+  // Accept class directories without an image file (or unreadable ones): their labels are never
+  // drawn. false: an error naming them, as torchvision's ImageFolder without allow_empty.
+  bool allow_empty = false;
+};
+
 class ImageFolder : public FileDataset {
  public:
-  explicit ImageFolder(std::string root);
+  explicit ImageFolder(std::string root, ImageFolderOptions options = {});
   const std::vector<std::string>& classes() const { return classes_; }
   std::optional<Description> describe() const override;
   // From a description's list, no scan (the registered factory uses it).
@@ -52,6 +61,7 @@ class ImageFolder : public FileDataset {
 
  private:
   std::string root_;
+  ImageFolderOptions options_;
   std::vector<std::string> classes_;
 };
 

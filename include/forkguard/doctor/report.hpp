@@ -36,8 +36,10 @@ struct Report {
 
 Report diagnose(probe::CudaState state, const Options& options = {});
 std::string to_text(const Report& report);
-std::string to_json(const Report& report);  // one object, pretty-printed
-int exit_code(const Report& report);        // 0 when fork is safe, 3 when it is not
+// One object, pretty-printed; bytes that are not UTF-8 (an environment value, a file name) are
+// written as U+FFFD.
+std::string to_json(const Report& report);
+int exit_code(const Report& report);  // 0 when fork is safe, 3 when it is not
 
 inline constexpr int kExitForkSafe = 0;
 inline constexpr int kExitUsage = 2;
