@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import fcntl
 import os
 import pickle
 import select
@@ -205,7 +206,7 @@ class _Rank:
         self.fds: Dict[int, str] = {}  # our read ends: fd -> "out" | "err" | "res"
         self.partial = {"out": b"", "err": b""}
         self.tail: List[str] = []  # last stderr lines
-        self.result = bytearray()  # grown in place: linear in the size of the return value
+        self.result: List[bytes] = []  # chunks, joined once: linear in the return value's size
         self.status: Optional[int] = None
         self.outcome = None
         self.failed_at: Optional[float] = None
@@ -316,6 +317,11 @@ def _run_group(server, payload, nproc, gpus, extra_env, master_addr, port, resta
                 theirs = []
                 for kind in ("out", "err", "res"):
                     rd, wr = os.pipe2(os.O_CLOEXEC)
+                    if kind == "res":  # a large return value in 1 MiB steps, not 64 KiB ones
+                        try:
+                            fcntl.fcntl(wr, fcntl.F_SETPIPE_SZ, 1 << 20)
+                        except OSError:
+                            pass  # above /proc/sys/fs/pipe-max-size: the default still works
                     r.fds[rd] = kind
                     theirs.append(wr)
                 try:
@@ -352,14 +358,13 @@ def _claim_exits(server, by_pid):
 
 def _outcome(r):
     """The rank's pickled outcome; one cut short (the rank died while sending it) is its error."""
+    data, r.result = b"".join(r.result), []
     try:
-        return pickle.loads(r.result)
+        return pickle.loads(data)
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the bytes are not whole
         return ("error", "TruncatedResult",
-                f"rank {r.rank}'s return value arrived incomplete ({len(r.result)} bytes): "
+                f"rank {r.rank}'s return value arrived incomplete ({len(data)} bytes): "
                 f"{type(e).__name__}: {e}", "", None)
-    finally:
-        r.result = bytearray()
 
 
 def _mark_failures(ranks, now):
@@ -399,7 +404,7 @@ def _supervise(server, ranks, by_pid, grace, timeout):
             kind = r.fds[fd]
             data = os.read(fd, 1 << 20 if kind == "res" else 1 << 16)
             if kind == "res":
-                r.result += data
+                r.result.append(data)
             else:
                 _emit(r, kind, data)
             if not data:

@@ -11,6 +11,7 @@
 
 #include <cerrno>
 #include <climits>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -211,6 +212,98 @@ StartedChild fork_call(EntryFunction fn, const RankContext& ctx, char** envp, co
   child.pid = pid;
   child.pidfd = open_pidfd(pid);
   return child;
+}
+
+}  // namespace forkguard::launch::detail
+
+namespace forkguard::launch::detail {
+namespace {
+
+struct GuardMessage {
+  std::int32_t op;
+  std::int32_t pgid;
+};
+static_assert(sizeof(GuardMessage) <= PIPE_BUF, "one write, one message");
+constexpr std::int32_t kGuardWatch = 1, kGuardForget = 2, kGuardDone = 3;
+constexpr size_t kGuardMaxGroups = 8192;
+
+// ============ child side (the watchdog): no malloc, no locks, no exceptions ============
+[[noreturn]] void tree_guard_main(int from_owner) noexcept {
+  // It must outlive the owner: no parent-death signal, deaf to what the terminal or the owner's
+  // stop sends its process group, and holding none of the owner's files (a pipe a test or a
+  // shell waits on for EOF, above all).
+  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGPIPE, SIGTSTP, SIGTTIN, SIGTTOU}) {
+    ::signal(sig, SIG_IGN);
+  }
+  sigset_t none;
+  ::sigemptyset(&none);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);
+  int null = ::open("/dev/null", O_RDWR);
+  for (int fd = 0; fd < 3; ++fd) {
+    if (null >= 0 && fd != from_owner) ::dup2(null, fd);
+  }
+  close_fds_except(from_owner);
+  ::prctl(PR_SET_NAME, "fg-tree-guard");  // what ps and the tests see
+  static pid_t groups[kGuardMaxGroups];   // static: not on a small stack, and no allocation
+  size_t n = 0;
+  for (;;) {
+    GuardMessage m{};
+    ssize_t got = ::read(from_owner, &m, sizeof m);
+    if (got < 0 && errno == EINTR) continue;
+    if (got != static_cast<ssize_t>(sizeof m)) break;  // EOF: the owner died without goodbye
+    if (m.op == kGuardDone) ::_exit(0);
+    if (m.op == kGuardWatch && n < kGuardMaxGroups && m.pgid > 1) groups[n++] = m.pgid;
+    if (m.op == kGuardForget) {
+      for (size_t i = 0; i < n; ++i) {
+        if (groups[i] == m.pgid) groups[i--] = groups[--n];
+      }
+    }
+  }
+  for (size_t i = 0; i < n; ++i) ::kill(-groups[i], SIGKILL);
+  ::_exit(0);
+}
+// ========================================================================================
+
+}  // namespace
+
+TreeGuard::TreeGuard() {
+  int p[2];
+  if (::pipe2(p, O_CLOEXEC) != 0) {
+    throw SpawnError(
+        fmt::format("error preparing the launch's watchdog: pipe2: {}", std::strerror(errno)));
+  }
+  UniqueFd read_end(p[0]);
+  to_guard_.reset(p[1]);
+  pid_ = ::fork();
+  if (pid_ < 0) {
+    throw SpawnError(
+        fmt::format("error starting the launch's watchdog: fork: {}", std::strerror(errno)));
+  }
+  if (pid_ == 0) tree_guard_main(read_end.get());
+}
+
+TreeGuard::~TreeGuard() {
+  send(kGuardDone, 0);
+  to_guard_.reset();
+  if (pid_ > 0) {
+    while (::waitpid(pid_, nullptr, 0) < 0 && errno == EINTR) {
+    }
+  }
+}
+
+void TreeGuard::send(int op, pid_t pgid) noexcept {
+  GuardMessage m{op, static_cast<std::int32_t>(pgid)};
+  ssize_t n;
+  do {
+    n = ::write(to_guard_.get(), &m, sizeof m);
+  } while (n < 0 && errno == EINTR);
+}
+
+void TreeGuard::watch(pid_t pgid) noexcept {
+  send(kGuardWatch, pgid);
+}
+void TreeGuard::forget(pid_t pgid) noexcept {
+  send(kGuardForget, pgid);
 }
 
 }  // namespace forkguard::launch::detail

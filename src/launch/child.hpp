@@ -64,4 +64,26 @@ StartedChild fork_call(EntryFunction fn, const RankContext& ctx, char** envp, co
 
 UniqueFd open_pidfd(pid_t pid);
 
+// A watchdog process that outlives this one: it SIGKILLs the process groups it was told about
+// when this process dies without saying goodbye (kill -9 included), so that what a rank started
+// (a wrapper script's python) does not live on under PID 1 after the rank itself got its
+// parent-death signal. One per launch; its post-fork loop lives in child.cpp with the rest.
+// Limit: a descendant that left its rank's process group (setsid, setpgid) is not found.
+class TreeGuard {
+ public:
+  TreeGuard();   // starts the watchdog (throws SpawnError when it cannot)
+  ~TreeGuard();  // says goodbye (nothing is killed) and reaps it
+  TreeGuard(const TreeGuard&) = delete;
+  TreeGuard& operator=(const TreeGuard&) = delete;
+
+  void watch(pid_t pgid) noexcept;   // a rank's group, as soon as the rank exists
+  void forget(pid_t pgid) noexcept;  // once the launcher has killed and reaped that group
+  pid_t pid() const noexcept { return pid_; }
+
+ private:
+  void send(int op, pid_t pgid) noexcept;
+  pid_t pid_ = -1;
+  UniqueFd to_guard_;
+};
+
 }  // namespace forkguard::launch::detail

@@ -115,6 +115,7 @@ struct Rank {
   std::deque<std::string> tail;
   UniqueFd exec_check;  // until the exec is known to have happened
   std::string exec_path;
+  bool forgotten = false;  // its group is gone and the watchdog no longer guards it
 };
 
 // Blocks SIGINT/SIGTERM/SIGHUP for the launch and reads them from a signalfd.
@@ -163,14 +164,15 @@ ExitStatus from_siginfo(const siginfo_t& info) {
 class Attempt {
  public:
   Attempt(const Options& o, const Job& job, const Placement& place, const GpuPlan& gpus,
-          StartMethod method, int restart, SignalCapture& signals)
+          StartMethod method, int restart, SignalCapture& signals, detail::TreeGuard& guard)
       : o_(o),
         job_(job),
         place_(place),
         gpus_(gpus),
         method_(method),
         restart_(restart),
-        signals_(signals) {}
+        signals_(signals),
+        guard_(guard) {}
 
   ~Attempt() {
     // Never leave a rank behind, whatever threw.
@@ -179,6 +181,9 @@ class Attempt {
     }
     for (auto& r : ranks_) {
       if (r.running && !r.via_server) ::waitpid(r.pid, nullptr, 0);
+    }
+    for (auto& r : ranks_) {
+      if (r.pid > 0 && !r.forgotten) guard_.forget(r.pid);
     }
   }
 
@@ -292,6 +297,7 @@ class Attempt {
         }
       }
       r.running = true;
+      guard_.watch(r.pid);  // its own process group: what it starts dies with the launcher too
     }
     for (auto& r : ranks_) {
       if (!r.exec_check) continue;
@@ -562,7 +568,11 @@ class Attempt {
     // By group id only: the rank itself is reaped, so its PID may already belong to another
     // process, but a group id is not reused while any member of the group lives.
     for (auto& r : ranks_) {
-      if (r.pid > 0) ::kill(-r.pid, SIGKILL);
+      if (r.pid > 0) {
+        ::kill(-r.pid, SIGKILL);
+        guard_.forget(r.pid);
+        r.forgotten = true;
+      }
     }
     for (auto& r : ranks_) {
       for (int is_err = 0; is_err < 2; ++is_err) {
@@ -584,6 +594,7 @@ class Attempt {
   StartMethod method_;
   int restart_;
   SignalCapture& signals_;
+  detail::TreeGuard& guard_;
   std::vector<Rank> ranks_;
   int root_cause_ = -1;
   bool stopping_ = false;
@@ -627,11 +638,12 @@ Result supervise(const Options& o, const Job& job) {
            "setting OMP_NUM_THREADS=1 for every rank (nproc > 1) so they do not overload the "
            "machine; set it yourself to tune");
   }
-  std::fflush(nullptr);  // what the caller printed comes before what the ranks print
+  std::fflush(nullptr);     // what the caller printed comes before what the ranks print
+  detail::TreeGuard guard;  // before the signals are captured: it keeps the default mask
   SignalCapture signals;
   Result result;
   for (int restart = 0;; ++restart) {
-    Attempt attempt(o, job, place, gpus, method, restart, signals);
+    Attempt attempt(o, job, place, gpus, method, restart, signals, guard);
     result = attempt.run();
     result.restarts = restart;
     result.gpu_plan = gpus.description;

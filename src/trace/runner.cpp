@@ -1,6 +1,8 @@
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -82,50 +84,72 @@ std::vector<std::string> traced_environment(const std::string& library, const st
   return env;
 }
 
-// While the command runs, ^C and ^\ are for it (it is in our process group), not for us.
-class IgnoreInterrupts {
+// While the command runs, the signals that would end us are for it: blocked here and read from a
+// signalfd. ^C, ^\\ and a hangup from the terminal already reach it (it is in our process group),
+// so those sent by the kernel are not sent again; one sent to us by a process (kill PID, a
+// supervisor's SIGTERM) is passed on, so the program can stop and we remove our temporary file
+// after it instead of dying with it still running.
+class ForwardSignals {
  public:
-  IgnoreInterrupts() {
-    struct sigaction ign {};
-    ign.sa_handler = SIG_IGN;
-    ::sigaction(SIGINT, &ign, &int_);
-    ::sigaction(SIGQUIT, &ign, &quit_);
+  ForwardSignals() {
+    sigset_t set;
+    sigemptyset(&set);
+    for (int sig : {SIGINT, SIGQUIT, SIGTERM, SIGHUP}) sigaddset(&set, sig);
+    ::sigprocmask(SIG_BLOCK, &set, &saved_);
+    fd_.reset(::signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK));
+    if (!fd_) throw TraceError(std::string("signalfd: ") + std::strerror(errno), 2);
   }
-  ~IgnoreInterrupts() {
-    ::sigaction(SIGINT, &int_, nullptr);
-    ::sigaction(SIGQUIT, &quit_, nullptr);
+  ~ForwardSignals() {
+    // What arrived while the program ran is dealt with: drop it rather than act on it now.
+    signalfd_siginfo info;
+    while (::read(fd_.get(), &info, sizeof info) == sizeof info) {
+    }
+    ::sigprocmask(SIG_SETMASK, &saved_, nullptr);
   }
-  IgnoreInterrupts(const IgnoreInterrupts&) = delete;
-  IgnoreInterrupts& operator=(const IgnoreInterrupts&) = delete;
-  const struct sigaction& saved_int() const { return int_; }
+  ForwardSignals(const ForwardSignals&) = delete;
+  ForwardSignals& operator=(const ForwardSignals&) = delete;
+
+  const sigset_t& saved_mask() const { return saved_; }
+  int fd() const { return fd_.get(); }
+  void forward_to(pid_t pid) {
+    signalfd_siginfo info;
+    while (::read(fd_.get(), &info, sizeof info) == sizeof info) {
+      if (info.ssi_code == SI_USER || info.ssi_code == SI_QUEUE) {
+        ::kill(pid, static_cast<int>(info.ssi_signo));
+      }
+    }
+  }
 
  private:
-  struct sigaction int_ {};
-  struct sigaction quit_ {};
+  sigset_t saved_{};
+  forkguard::detail::UniqueFd fd_;
 };
 
 int spawn_and_wait(const std::vector<std::string>& command, std::vector<std::string> env) {
   auto args = command;
   auto cargs = launch::detail::c_array(args);
   auto cenv = launch::detail::c_array(env);
-  IgnoreInterrupts ignore;
-  // The child gets the signal dispositions we had, not our temporary SIG_IGN.
+  ForwardSignals signals;
+  // The child gets our signal mask from before, not the blocked set.
   posix_spawnattr_t attr;
   posix_spawnattr_init(&attr);
-  sigset_t defaults;
-  sigemptyset(&defaults);
-  if (ignore.saved_int().sa_handler != SIG_IGN) {
-    sigaddset(&defaults, SIGINT);
-    sigaddset(&defaults, SIGQUIT);
-  }
-  posix_spawnattr_setsigdefault(&attr, &defaults);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGDEF);
+  posix_spawnattr_setsigmask(&attr, &signals.saved_mask());
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK);
   pid_t pid = -1;
   int rc = ::posix_spawnp(&pid, args[0].c_str(), nullptr, &attr, cargs.data(), cenv.data());
   posix_spawnattr_destroy(&attr);
   if (rc != 0) {
     throw TraceError("cannot run " + command[0] + ": " + std::strerror(rc),
                      rc == ENOENT ? 127 : 126);
+  }
+  auto pidfd = launch::detail::open_pidfd(pid);
+  for (;;) {
+    pollfd fds[2] = {{pidfd.get(), POLLIN, 0}, {signals.fd(), POLLIN, 0}};
+    if (::poll(fds, 2, -1) < 0 && errno != EINTR) {
+      throw TraceError(std::string("poll: ") + std::strerror(errno), 2);
+    }
+    if (fds[1].revents != 0) signals.forward_to(pid);
+    if (fds[0].revents != 0) break;
   }
   int status = 0;
   while (::waitpid(pid, &status, 0) < 0) {

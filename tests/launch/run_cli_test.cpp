@@ -143,6 +143,41 @@ TEST_F(RunCli, NoRankSurvivesSigkillOfTheLauncher) {
   }
 }
 
+TEST_F(RunCli, NothingARankStartedSurvivesSigkillOfTheLauncher) {
+  // A wrapper script whose python is the rank's child: the rank dies by its parent-death signal,
+  // and the launch's watchdog kills the rest of the rank's process group.
+  const std::string wrapper = dir_.path() + "/wrapper.sh";
+  std::ofstream(wrapper) << "#!/bin/sh\n"
+                            "/usr/bin/python3 -c 'import time; time.sleep(60)' &\n"
+                            "echo \"$$ $!\"\n"
+                            "wait\n";
+  ::chmod(wrapper.c_str(), 0755);
+  for (const char* method : {"spawn", "forkserver"}) {
+    ft::Interactive launcher({ft::kForkguard, "run", "--quiet", "--start-method", method,
+                              "--nproc-per-node", "2", "--", wrapper},
+                             env_);
+    std::vector<pid_t> tree;
+    for (int i = 0; i < 2; ++i) {
+      std::istringstream in(launcher.read_line(20s).substr(8));  // "[rankN]:SH PY"
+      pid_t sh = 0, py = 0;
+      in >> sh >> py;
+      tree.insert(tree.end(), {sh, py});
+    }
+    for (pid_t p : tree) ASSERT_TRUE(ft::is_alive(p)) << p;
+    ::kill(launcher.pid(), SIGKILL);
+    launcher.finish();
+    auto deadline = std::chrono::steady_clock::now() + 1s;
+    while (std::chrono::steady_clock::now() < deadline &&
+           std::any_of(tree.begin(), tree.end(), ft::is_alive)) {
+      std::this_thread::sleep_for(10ms);
+    }
+    for (pid_t p : tree) {
+      EXPECT_FALSE(ft::is_alive(p)) << method << ": " << p << " outlived the launcher by 1 s";
+      if (ft::is_alive(p)) ::kill(p, SIGKILL);
+    }
+  }
+}
+
 TEST_F(RunCli, AProgramWithAForkServerReapsItAtExit) {
   // As a subreaper, this process inherits whatever notebook_style leaves behind when it exits.
   ASSERT_EQ(::prctl(PR_SET_CHILD_SUBREAPER, 1), 0);

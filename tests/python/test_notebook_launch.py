@@ -133,11 +133,16 @@ def big_result(mb):
 
 
 def test_a_200_mb_return_value_arrives_in_linear_time():
-    start = time.monotonic()
-    res = forkguard.notebook_launch(big_result, nproc=1, args=(200,))
-    took = time.monotonic() - start
-    assert len(res[0]) == 200 << 20 and res[0][:1 << 20] * 200 == res[0]
-    assert took < 2.0, f"200 MB took {took:.2f} s"
+    # The best of two (this machine's other tests may hold both cores for a moment); it took
+    # minutes when the bytes were gathered quadratically.
+    took = []
+    for _ in range(2):
+        start = time.monotonic()
+        res = forkguard.notebook_launch(big_result, nproc=1, args=(200,))
+        took.append(time.monotonic() - start)
+        assert len(res[0]) == 200 << 20 and res[0][:1 << 20] * 200 == res[0]
+        del res
+    assert min(took) < 2.0, f"200 MB took {took} s"
 
 
 def cut_short():

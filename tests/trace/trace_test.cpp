@@ -2,7 +2,13 @@
 // the test driver standing in for the GPU. What is checked is what the user reads (the reports
 // name the program's own functions and lines), the exit codes, and the JSON events.
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
 
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -13,6 +19,7 @@
 
 namespace ft = forkguard::testing;
 using nlohmann::json;
+using namespace std::chrono_literals;
 
 namespace {
 
@@ -272,6 +279,29 @@ TEST_F(Trace, PassesTheExitCodeThrough) {
   EXPECT_EQ(missing.exit_code, 127);
   EXPECT_TRUE(contains(missing.err, "forkguard trace: cannot run /nonexistent/program"))
       << missing.err;
+}
+
+TEST_F(Trace, SigtermToTraceReachesTheProgramAndLeavesNoTemporaryFile) {
+  // As a supervisor stops it: `kill PID` of forkguard trace. The traced program gets the signal,
+  // its exit code comes back, and the events file in TMPDIR is gone.
+  const std::string tmp = dir_.path() + "/tmp";
+  ASSERT_EQ(::mkdir(tmp.c_str(), 0700), 0);
+  auto env = env_;
+  env["TMPDIR"] = tmp;
+  for (int sig : {SIGTERM, SIGHUP, SIGINT}) {
+    ft::Interactive traced({ft::kForkguard, "trace", "--quiet", "--", "/bin/sh", "-c",
+                            "trap 'echo got $0; exit 5' TERM HUP INT; echo ready; "
+                            "while :; do sleep 0.02; done",
+                            "signal"},
+                           env);
+    ASSERT_EQ(traced.read_line(20s), "ready");
+    ::kill(traced.pid(), sig);
+    EXPECT_EQ(traced.read_line(10s), "got signal") << "signal " << sig;
+    int status = traced.finish();
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 5) << sig << ": " << status;
+    EXPECT_TRUE(std::filesystem::is_empty(tmp))
+        << "signal " << sig << ": a file is left in " << tmp;
+  }
 }
 
 TEST_F(Trace, TheLibraryChangesNothingInAProgramThatNeverTouchesCuda) {
