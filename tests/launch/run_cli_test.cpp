@@ -23,6 +23,15 @@ using namespace std::chrono_literals;
 
 namespace {
 
+// Polls until none of `pids` runs (a zombie counts as gone) or `limit` has passed.
+void wait_until_gone(const std::vector<pid_t>& pids, std::chrono::milliseconds limit) {
+  auto deadline = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < deadline &&
+         std::any_of(pids.begin(), pids.end(), ft::is_alive)) {
+    std::this_thread::sleep_for(10ms);
+  }
+}
+
 class RunCli : public ::testing::Test {
  protected:
   ft::TempDir dir_;
@@ -133,11 +142,7 @@ TEST_F(RunCli, NoRankSurvivesSigkillOfTheLauncher) {
     }
     ::kill(launcher.pid(), SIGKILL);
     launcher.finish();
-    auto deadline = std::chrono::steady_clock::now() + 1s;
-    while (std::chrono::steady_clock::now() < deadline &&
-           std::any_of(ranks.begin(), ranks.end(), ft::is_alive)) {
-      std::this_thread::sleep_for(10ms);
-    }
+    wait_until_gone(ranks, 1s);
     for (pid_t p : ranks)
       EXPECT_FALSE(ft::is_alive(p)) << method << ": rank " << p << " outlived the launcher";
   }
@@ -166,11 +171,7 @@ TEST_F(RunCli, NothingARankStartedSurvivesSigkillOfTheLauncher) {
     for (pid_t p : tree) ASSERT_TRUE(ft::is_alive(p)) << p;
     ::kill(launcher.pid(), SIGKILL);
     launcher.finish();
-    auto deadline = std::chrono::steady_clock::now() + 1s;
-    while (std::chrono::steady_clock::now() < deadline &&
-           std::any_of(tree.begin(), tree.end(), ft::is_alive)) {
-      std::this_thread::sleep_for(10ms);
-    }
+    wait_until_gone(tree, 1s);
     for (pid_t p : tree) {
       EXPECT_FALSE(ft::is_alive(p)) << method << ": " << p << " outlived the launcher by 1 s";
       if (ft::is_alive(p)) ::kill(p, SIGKILL);
@@ -403,11 +404,7 @@ TEST_F(RunCli, ALauncherKilledWithSigkillEndsTheOtherNodesRanksWithAReport) {
   ASSERT_TRUE(WIFEXITED(status)) << status;
   EXPECT_NE(WEXITSTATUS(status), 0);
   for (pid_t p : pids0) EXPECT_FALSE(ft::is_alive(p)) << "node 0's rank " << p << " survived";
-  auto deadline = std::chrono::steady_clock::now() + 1s;
-  while (std::chrono::steady_clock::now() < deadline &&
-         std::any_of(pids1.begin(), pids1.end(), ft::is_alive)) {
-    std::this_thread::sleep_for(10ms);
-  }
+  wait_until_gone(pids1, 1s);
   for (pid_t p : pids1) EXPECT_FALSE(ft::is_alive(p)) << "node 1's rank " << p << " survived";
   // The report's root cause is a rank of node 0 that lost its peer, with gloo's words.
   auto j = nlohmann::json::parse(ft::read_file(report));
