@@ -1,6 +1,7 @@
 """forkguard.ImageLoader: the C++ loader's image pipeline, batches as DLPack tensors."""
 from __future__ import annotations
 
+import os
 from typing import Dict, Iterator, Optional, Sequence, Tuple, Union
 
 from . import _native
@@ -62,7 +63,7 @@ class ImageLoader:
         if workers < 0:
             raise ValueError("workers must be 0 or more")
         a = _native._ImageLoaderArgs()
-        a.root = str(root)
+        a.root = os.fsencode(root)  # bytes: a name that is not UTF-8 is passed as it is
         a.format = format
         a.batch_size = batch_size
         a.workers = workers
@@ -87,23 +88,29 @@ class ImageLoader:
         a.mean = [float(x) for x in mean]
         a.std = [float(x) for x in std]
         self._loader = _native._ImageLoader(a)
-        self._in_epoch = False
+        self._iterators = 0  # iterators made; only the latest one yields
 
     def __iter__(self) -> Iterator[Tuple[DLTensor, DLTensor]]:
-        if self._in_epoch:
-            # A loop left early: start afresh with the next epoch, as a new DataLoader iterator
-            # would.
+        """One epoch. As DataLoader(persistent_workers=True) resets its one iterator, a new
+        iterator supersedes the previous one: a loop left early (or still running) ends there,
+        the new one starts the next epoch afresh, and the old one raises ``forkguard.Error`` on
+        its next ``next()`` instead of sharing the stream of batches with the new one."""
+        if self._loader.in_epoch():
             self._loader.set_epoch(self._loader.epoch() + 1)
-        self._in_epoch = True
-        try:
-            while True:
-                batch = self._loader.next()
-                if batch is None:
-                    self._in_epoch = False
-                    return
-                yield batch
-        except GeneratorExit:
-            raise
+        self._iterators += 1
+        return self._epoch(self._iterators, self._loader.epoch())
+
+    def _epoch(self, number: int, epoch: int) -> Iterator[Tuple[DLTensor, DLTensor]]:
+        while True:
+            if number != self._iterators:
+                raise _native.Error(
+                    f"this iterator over the ImageLoader (epoch {epoch}) was superseded by a "
+                    f"newer one: iter() was called again, which ended this epoch and started "
+                    f"epoch {self._loader.epoch()}; use one loop at a time")
+            batch = self._loader.next()
+            if batch is None:
+                return
+            yield batch
 
     def __len__(self) -> int:
         """Batches per epoch."""
@@ -112,7 +119,6 @@ class ImageLoader:
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next loop runs (its shuffle and crops); as DistributedSampler.set_epoch."""
         self._loader.set_epoch(epoch)
-        self._in_epoch = False
 
     @property
     def epoch(self) -> int:
@@ -133,7 +139,8 @@ class ImageLoader:
 
     def close(self) -> None:
         """Stops the workers now (also done when the loader is garbage-collected). Batches
-        already delivered stay valid."""
+        already delivered stay valid; anything else afterwards raises ValueError ("the
+        ImageLoader is closed"), as a closed file does."""
         self._loader.close()
 
     def __enter__(self):

@@ -1,5 +1,5 @@
 """Typed stubs of forkguard's native layer (pybind11). Use the `forkguard` package instead."""
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 __version__: str
 
@@ -75,7 +75,8 @@ class DLTensor:
         substitute."""
     @property
     def keys(self) -> List[str]:
-        """Each sample's key (its path)."""
+        """Each sample's key (its path), as os.fsdecode gives it: bytes that are not UTF-8 as
+        lone surrogates (surrogateescape), so open() and os.fsencode() get the name back."""
     @property
     def epoch(self) -> int: ...
     @property
@@ -86,7 +87,7 @@ class DLTensor:
     def __len__(self) -> int: ...
 
 class _ImageLoaderArgs:
-    root: str
+    root: Union[str, bytes]
     format: str
     batch_size: int
     workers: int
@@ -120,6 +121,8 @@ class _ImageLoader:
         """The next batch, or None at the end of the epoch (the GIL is released while waiting)."""
     def set_epoch(self, epoch: int) -> None: ...
     def epoch(self) -> int: ...
+    def in_epoch(self) -> bool:
+        """An epoch is under way (started, not ended, not abandoned by an error or set_epoch)."""
     def size(self) -> int: ...
     def dataset_size(self) -> int: ...
     def worker_pids(self) -> List[int]: ...

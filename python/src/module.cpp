@@ -22,6 +22,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "forkguard/data/batch.hpp"
@@ -41,6 +42,24 @@ namespace fd = forkguard::data;
 namespace probe = forkguard::probe;
 
 namespace {
+
+// A path as Python's os functions return it (os.fsdecode: the file system encoding with
+// surrogateescape): a name that is not UTF-8 round-trips to open() instead of raising
+// UnicodeDecodeError.
+py::str fs_str(std::string_view path) {
+  PyObject* o = PyUnicode_DecodeFSDefaultAndSize(path.data(), static_cast<Py_ssize_t>(path.size()));
+  if (o == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(o);
+}
+
+// A message naming such a path: its bytes that are not UTF-8 shown as \xNN (printable, unlike
+// lone surrogates).
+py::str message_str(std::string_view text) {
+  PyObject* o =
+      PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()), "backslashreplace");
+  if (o == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(o);
+}
 
 // ---- probe --------------------------------------------------------------------------------------
 
@@ -197,7 +216,7 @@ class DLTensor_ {
       py::dict d;
       d["position"] = s.position;
       d["index"] = s.index;
-      d["key"] = s.key;
+      d["key"] = fs_str(s.key);
       d["reason"] = s.reason;
       d["substitute"] = s.substitute;
       out.append(d);
@@ -206,7 +225,7 @@ class DLTensor_ {
   }
   py::list keys() const {
     py::list out;
-    for (size_t i = 0; i < batch_.size(); ++i) out.append(std::string(batch_.key(i)));
+    for (size_t i = 0; i < batch_.size(); ++i) out.append(fs_str(batch_.key(i)));
     return out;
   }
   size_t epoch() const { return batch_.epoch(); }
@@ -343,6 +362,7 @@ class ImageLoader {
     get().set_epoch(e);
   }
   uint64_t epoch() { return get().epoch(); }
+  bool in_epoch() { return get().in_epoch(); }
   size_t size() { return get().size(); }
   size_t dataset_size() { return get().dataset_size(); }
   std::vector<pid_t> worker_pids() { return get().worker_pids(); }
@@ -369,7 +389,8 @@ class ImageLoader {
     loader_.reset();
   }
   fd::Loader& get() {
-    if (!loader_) throw fd::DataError("ImageLoader is closed");
+    // As a closed file's "I/O operation on closed file": a ValueError, not a bad sample.
+    if (!loader_) throw py::value_error("the ImageLoader is closed (close() or the with block)");
     return *loader_;
   }
 
@@ -380,30 +401,36 @@ class ImageLoader {
 
 // The Python types of the loader's exceptions, set once at import: the translator below raises
 // them with the C++ exception's fields as attributes (a function pointer: no captures).
-py::handle g_data_error, g_worker_error;
+py::handle g_error, g_data_error, g_worker_error, g_timeout_error, g_probe_error;
 
 [[noreturn]] void raise_with(py::handle type, const char* what,
-                             std::initializer_list<std::pair<const char*, py::object>> attrs) {
-  py::object e = type(what);
+                             std::initializer_list<std::pair<const char*, py::object>> attrs = {}) {
+  py::object e = type(message_str(what));
   for (const auto& [name, value] : attrs) e.attr(name) = value;
   PyErr_SetObject(type.ptr(), e.ptr());
   throw py::error_already_set();
 }
 
-void translate_loader_errors(std::exception_ptr p) {
+void translate_errors(std::exception_ptr p) {
   try {
     if (p) std::rethrow_exception(p);
   } catch (const fd::DataError& e) {
     raise_with(g_data_error, e.what(),
                {{"index", e.index() == fd::DataError::npos ? py::object(py::none())
                                                            : py::object(py::int_(e.index()))},
-                {"key", e.key().empty() ? py::object(py::none()) : py::object(py::str(e.key()))}});
+                {"key", e.key().empty() ? py::object(py::none()) : py::object(fs_str(e.key()))}});
   } catch (const fd::WorkerError& e) {
     raise_with(
         g_worker_error, e.what(),
         {{"worker", e.worker() < 0 ? py::object(py::none()) : py::object(py::int_(e.worker()))},
          {"pid", e.pid() <= 0 ? py::object(py::none()) : py::object(py::int_(e.pid()))},
          {"indices", py::cast(e.indices())}});
+  } catch (const fd::TimeoutError& e) {
+    raise_with(g_timeout_error, e.what());
+  } catch (const probe::ProbeError& e) {
+    raise_with(g_probe_error, e.what());
+  } catch (const forkguard::Error& e) {
+    raise_with(g_error, e.what());
   }
 }
 
@@ -416,11 +443,15 @@ PYBIND11_MODULE(_native, m) {
   auto base = py::register_exception<forkguard::Error>(m, "Error", PyExc_RuntimeError);
   auto& data_error = py::register_exception<fd::DataError>(m, "DataError", base.ptr());
   auto& worker_error = py::register_exception<fd::WorkerError>(m, "WorkerError", base.ptr());
-  py::register_exception<fd::TimeoutError>(m, "LoaderTimeoutError", base.ptr());
-  py::register_exception<probe::ProbeError>(m, "ProbeError", base.ptr());
+  auto& timeout_error =
+      py::register_exception<fd::TimeoutError>(m, "LoaderTimeoutError", base.ptr());
+  auto& probe_error = py::register_exception<probe::ProbeError>(m, "ProbeError", base.ptr());
+  g_error = base;
   g_data_error = data_error;
   g_worker_error = worker_error;
-  py::register_exception_translator(&translate_loader_errors);  // tried before the plain ones
+  g_timeout_error = timeout_error;
+  g_probe_error = probe_error;
+  py::register_exception_translator(&translate_errors);  // tried before the plain ones
 
   py::class_<ProbeResult>(m, "_ProbeResult")
       .def_property_readonly("pid", [](const ProbeResult& r) { return r.state.pid; })
@@ -496,6 +527,7 @@ PYBIND11_MODULE(_native, m) {
       .def("next", &ImageLoader::next)
       .def("set_epoch", &ImageLoader::set_epoch)
       .def("epoch", &ImageLoader::epoch)
+      .def("in_epoch", &ImageLoader::in_epoch)
       .def("size", &ImageLoader::size)
       .def("dataset_size", &ImageLoader::dataset_size)
       .def("worker_pids", &ImageLoader::worker_pids)

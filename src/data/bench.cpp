@@ -117,6 +117,10 @@ LoaderBenchResult run_loader_bench(const LoaderBenchOptions& o) {
 }
 
 DecodeBenchResult run_decode_bench(const std::string& data, DatasetFormat format, size_t threads) {
+  if (threads > kMaxWorkers) {
+    throw DataError(
+        fmt::format("bench decode: threads must be at most {}, not {}", kMaxWorkers, threads));
+  }
   auto ds = open_dataset(data, format);
   std::vector<std::vector<unsigned char>> files;
   files.reserve(ds->size());

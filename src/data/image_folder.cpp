@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -279,9 +280,14 @@ FileList::FileList(std::string list) : list_(std::move(list)) {
     if (line.empty() || line[0] == '#') continue;
     auto sp = line.find_last_of(" \t");
     char* end = nullptr;
+    errno = 0;
     long long label = sp == std::string::npos ? 0 : std::strtoll(line.c_str() + sp + 1, &end, 10);
     if (sp == std::string::npos || end == line.c_str() + sp + 1 || *end != '\0') {
       throw DataError(fmt::format("{}:{}: expected \"path label\", got \"{}\"", list_, n, line));
+    }
+    if (errno == ERANGE) {  // strtoll clamped it to the nearest int64
+      throw DataError(fmt::format("{}:{}: label {} is out of range (a 64-bit signed integer)",
+                                  list_, n, line.substr(sp + 1)));
     }
     std::string path = line.substr(0, sp);
     while (!path.empty() && (path.back() == ' ' || path.back() == '\t')) path.pop_back();

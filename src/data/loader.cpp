@@ -78,6 +78,10 @@ class LoaderImpl {
     if (!ds_ || !tf_) throw DataError("Loader: the dataset and the transform must not be null");
     if (o_.batch_size == 0) throw DataError("Loader: batch_size must be at least 1");
     if (o_.prefetch == 0) throw DataError("Loader: prefetch must be at least 1");
+    if (o_.workers > kMaxWorkers) {
+      throw DataError(
+          fmt::format("Loader: workers must be at most {}, not {}", kMaxWorkers, o_.workers));
+    }
     if (o_.key_bytes == 0) throw DataError("Loader: key_bytes must be at least 1");
     spec_ = tf_->output();
     if (spec_.bytes() == 0) {
@@ -159,6 +163,7 @@ class LoaderImpl {
   }
 
   uint64_t epoch() const { return epoch_; }
+  bool in_epoch() const { return in_epoch_; }
   size_t size() const { return size_; }
   size_t dataset_size() const { return ds_->size(); }
   const OutputSpec& output_spec() const { return spec_; }
@@ -643,6 +648,9 @@ void Loader::set_epoch(uint64_t epoch) {
 }
 uint64_t Loader::epoch() const {
   return impl_->epoch();
+}
+bool Loader::in_epoch() const {
+  return impl_->in_epoch();
 }
 size_t Loader::size() const {
   return impl_->size();

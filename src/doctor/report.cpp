@@ -38,6 +38,13 @@ std::string summary_of(const probe::CudaState& s) {
              "CUDA (CUDA_ERROR_NOT_INITIALIZED, \"Cannot re-initialize CUDA in forked "
              "subprocess\").";
     case Verdict::kPoisoned:
+      if (s.poisoned_by != s.parent_pid) {
+        return fmt::format(
+            "This process was forked from a parent (PID {}) that descends from PID {}, which had "
+            "initialized CUDA: every CUDA call here fails with CUDA_ERROR_NOT_INITIALIZED "
+            "(\"initialization error\").",
+            s.parent_pid, s.poisoned_by);
+      }
       return fmt::format(
           "This process was forked from a parent (PID {}) that had initialized CUDA: every CUDA "
           "call here fails with CUDA_ERROR_NOT_INITIALIZED (\"initialization error\").",
@@ -174,6 +181,7 @@ std::string to_json(const Report& r) {
       {"notes", s.notes},
       {"advice", r.advice},
   };
+  if (s.verdict == Verdict::kPoisoned) j["poisoned_by"] = s.poisoned_by;
   if (r.environment_checked) {
     json gpus = json::array();
     for (const auto& g : r.gpus.gpus) {

@@ -24,6 +24,7 @@
 
 #include "detail/seqpacket.hpp"
 
+#include "forkguard/launch/exit_status.hpp"
 #include "forkguard/launch/launcher.hpp"
 #include "forkguard/probe/cuda_state.hpp"
 #include "launch/child.hpp"
@@ -197,8 +198,10 @@ ForkServer* ForkServer::get() {
   return g_server;
 }
 
-void ForkServer::start() {
-  if (g_server != nullptr) return;
+namespace {
+
+// Forks a zygote from this process; returns its PID and our end of its socket.
+std::pair<pid_t, int> fork_zygote() {
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) {
     throw SystemError("fork server: socketpair", errno);
@@ -214,7 +217,8 @@ void ForkServer::start() {
   }
   if (pid == 0) {
     // The zygote. init() runs before the program creates threads, so this process is a
-    // single-threaded copy and may allocate.
+    // single-threaded copy and may allocate (a restart forks a program that may run threads: it
+    // only needs malloc, which glibc makes safe in a forked child, and its own state).
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != parent) ::_exit(0);
     ::prctl(PR_SET_NAME, "forkguard-zygote");
@@ -228,7 +232,15 @@ void ForkServer::start() {
     Zygote(3).serve();
   }
   ::close(sv[1]);
-  g_server = new ForkServer(pid, sv[0]);
+  return {pid, sv[0]};
+}
+
+}  // namespace
+
+void ForkServer::start() {
+  if (g_server != nullptr) return;
+  auto [pid, sock] = fork_zygote();
+  g_server = new ForkServer(pid, sock);
   g_owner = ::getpid();
   // At exit, close the socket (the zygote sees EOF and exits) and reap it here, so it never
   // becomes a zombie for init to collect.
@@ -237,6 +249,36 @@ void ForkServer::start() {
     g_server->sock_.reset();
     ::waitpid(g_server->pid_, nullptr, 0);
   });
+}
+
+std::string ForkServer::replace_dead_zygote() {
+  // Its socket is closed: it has exited, or is about to. Reap it (SIGKILL in case it lingers).
+  int status = 0;
+  pid_t r = ::waitpid(pid_, &status, WNOHANG);
+  if (r == 0) {
+    ::kill(pid_, SIGKILL);
+    r = ::waitpid(pid_, &status, 0);
+  }
+  const std::string how =
+      r == pid_ ? ExitStatus::from_wait_status(status).to_string() : std::string("exited");
+  const std::string dead = fmt::format("the fork server (PID {}) died ({})", pid_, how);
+  if (::getpid() != g_owner) {
+    throw SpawnError(dead + "; it belongs to the process that started it, not to this fork");
+  }
+  if (auto dirty = probe::self_if_fork_unsafe()) {
+    throw SpawnError(fmt::format(
+        "{}, and no new one can be forked from this process: it holds CUDA state ({}); use "
+        "thread workers or the spawn start method",
+        dead, probe::to_string(dirty->verdict)));
+  }
+  auto [pid, sock] = fork_zygote();
+  const std::string notice = fmt::format("{}; started a new one (PID {})", dead, pid);
+  pid_ = pid;
+  sock_ = forkguard::detail::UniqueFd(sock);
+  exits_.clear();  // its children died with it (PR_SET_PDEATHSIG); nobody waits for their news
+  have_reply_ = false;
+  std::fprintf(stderr, "forkguard: %s\n", notice.c_str());
+  return notice;
 }
 
 bool ForkServer::read_one(bool block) {
@@ -295,15 +337,17 @@ pid_t ForkServer::request(const std::vector<std::string>& fields, int stdout_fd,
                           int extra_fd) {
   std::lock_guard lock(mutex_);
   int fds[kMaxFds] = {stdout_fd >= 0 ? stdout_fd : 1, stderr_fd >= 0 ? stderr_fd : 2, extra_fd};
-  if (!send_message(sock_.get(), fields, fds, extra_fd >= 0 ? 3 : 2)) {
-    throw SpawnError(
-        fmt::format("the fork server (PID {}) is gone: {}", pid_, std::strerror(errno)));
-  }
-  have_reply_ = false;
-  while (!have_reply_) {
-    if (!read_one(true)) {
+  // A zygote found dead (killed, OOM) is reaped and replaced once per request: it failed every
+  // later request with "Broken pipe" and stayed a zombie.
+  for (int attempt = 0;; ++attempt) {
+    bool alive = send_message(sock_.get(), fields, fds, extra_fd >= 0 ? 3 : 2);
+    have_reply_ = false;
+    while (alive && !have_reply_) alive = read_one(true);
+    if (alive) break;
+    if (attempt > 0) {
       throw SpawnError(fmt::format("the fork server (PID {}) closed its socket", pid_));
     }
+    replace_dead_zygote();
   }
   if (reply_.size() == 2 && reply_[0] == "started") return to_int(reply_[1]);
   throw SpawnError(fmt::format("the fork server (PID {}) refused: {}", pid_,

@@ -1,7 +1,8 @@
 // The fork server (zygote): a process forked by forkguard::init() while the program is still
 // clean, which forks ranks on request. Driven over a SOCK_SEQPACKET socketpair (no path anyone
 // else can connect to); the ranks' stdout/stderr travel with each request by SCM_RIGHTS. It
-// re-probes itself before every fork, reaps its children and reports each exit status.
+// re-probes itself before every fork, reaps its children and reports each exit status. One found
+// dead at a request is reaped and replaced by a new fork of the program (if still CUDA-clean).
 #pragma once
 
 #include <sys/types.h>
@@ -50,6 +51,9 @@ class ForkServer {
   pid_t request(const std::vector<std::string>& fields, int stdout_fd, int stderr_fd,
                 int extra_fd = -1);
   bool read_one(bool block);  // one message: exit reports are queued, a reply is stored
+  // The zygote's socket is closed: reaps it and forks a new one (said on stderr; the notice is
+  // returned), or throws SpawnError saying why it cannot (not the owner, CUDA state here).
+  std::string replace_dead_zygote();
 
   pid_t pid_;
   forkguard::detail::UniqueFd sock_;

@@ -85,26 +85,31 @@ struct Facts {
   bool uvm_open = false;
   bool gpu_file_mapped = false;
   bool driver_threads = false;
-  bool inherited_files = false;
+  bool inherited_files = false;  // device-file descriptions shared with the parent
+  bool poisoned_proof = false;   // ... and with an initialized ancestor (see Prober::inherited)
   // Only for self(), when the driver could be asked.
   bool driver_answered = false;
   bool driver_initialized = false;
   bool context_active = false;
 };
 
+// cuInit's mark without its threads: a process in the middle of cuInit, or the child of an
+// initialized parent that cannot be shown (gone, kcmp refused). Unsafe to fork either way, but
+// only poisoned_proof accuses a parent.
+bool init_files_without_threads(const Facts& f) {
+  return f.driver_mapped && f.uvm_open && !f.driver_threads && !f.driver_initialized &&
+         !f.poisoned_proof;
+}
+
 Verdict decide(const Facts& f) {
   if (f.driver_mapped) {
-    if (f.driver_answered) {
-      if (f.driver_initialized)
-        return f.context_active ? Verdict::kContextActive : Verdict::kInitialized;
-      // The driver says "not initialized", yet cuInit's files are here and its threads are not.
-      if ((f.uvm_open || f.inherited_files) && !f.driver_threads) return Verdict::kPoisoned;
-    } else {
-      if (f.driver_threads) {
-        return f.gpu_file_mapped ? Verdict::kContextActive : Verdict::kInitialized;
-      }
-      if (f.uvm_open || f.inherited_files) return Verdict::kPoisoned;
+    if (f.driver_initialized)
+      return f.context_active ? Verdict::kContextActive : Verdict::kInitialized;
+    if (f.poisoned_proof && !f.driver_threads) return Verdict::kPoisoned;
+    if (!f.driver_answered && f.driver_threads) {
+      return f.gpu_file_mapped ? Verdict::kContextActive : Verdict::kInitialized;
     }
+    if (init_files_without_threads(f)) return Verdict::kInitialized;
   }
   if (f.gpu_files_open || f.uvm_open) return Verdict::kNvmlOpen;
   if (f.cuda_library_mapped || f.driver_mapped) return Verdict::kDriverLoaded;
@@ -141,7 +146,9 @@ class Prober {
     detail::ProcReadError err;
     // /proc/PID/stat first: it exists for every process we may see, so "no such PID" is told
     // apart from "not allowed" before anything else is read.
-    state_.parent_pid = must(pid, detail::parent_of(pid, &err), err);
+    auto stat = must(pid, detail::stat_of(pid, &err), err);
+    state_.parent_pid = stat.parent;
+    if (!is_self_) refuse_what_is_not_a_live_user_process(stat);
     libraries(err);
     auto files = must(pid, detail::open_files(pid, &err), err);
     device_files(files);
@@ -154,11 +161,37 @@ class Prober {
           "context state of another process is inferred from its GPU device-file mappings");
     }
     state_.verdict = decide(facts_);
+    if (init_files_without_threads(facts_)) {
+      state_.notes.push_back(
+          "nvidia-uvm is open but the CUDA driver's threads are not running and no initialized "
+          "parent shares these device files (kcmp): cuInit is in progress here, or the process "
+          "that initialized CUDA before a fork is gone; counted as initialized, not poisoned");
+    }
     state_.fork_safe = is_fork_safe(state_.verdict);
     return std::move(state_);
   }
 
  private:
+  // Neither has memory or files to look at: "clean" would be a verdict on nothing.
+  void refuse_what_is_not_a_live_user_process(const detail::ProcStat& stat) const {
+    const pid_t pid = state_.pid;
+    if (stat.flags & detail::kPfKthread) {
+      throw ProbeError(pid,
+                       fmt::format("PID {} ({}) is a kernel thread, not a user process: it has no "
+                                   "user memory, so no CUDA state",
+                                   pid, stat.comm),
+                       false);
+    }
+    if (stat.state == 'Z') {
+      throw ProbeError(pid,
+                       fmt::format("PID {} ({}) is a zombie: it has exited and its parent (PID {}) "
+                                   "has not reaped it yet; nothing of it is left to inspect",
+                                   pid, stat.comm, stat.parent),
+                       false);
+    }
+    if (stat.state == 'X') throw ProbeError(pid, fmt::format("no process with PID {}", pid), false);
+  }
+
   void add(EvidenceKind kind, std::string detail, std::string source) {
     state_.evidence.push_back({kind, std::move(detail), std::move(source)});
   }
@@ -225,39 +258,68 @@ class Prober {
     }
   }
 
-  // Device-file descriptions shared with the parent: the signature of a forked child.
+  // Device-file descriptions shared with the parent: the signature of a forked child. Proof of
+  // poisoning needs more: the process sharing them is itself initialized (its driver threads
+  // run). An ancestor that shares them without the threads (poisoned itself, as a worker's
+  // worker) is passed through to its own parent, up to kMaxAncestors.
   void inherited(const std::vector<detail::OpenFile>& files) {
+    constexpr int kMaxAncestors = 16;
     std::vector<int> mine;
     for (const auto& f : files) {
       if (device_role(f.target) != DeviceRole::kNone) mine.push_back(f.fd);
     }
-    if (mine.empty() || state_.parent_pid <= 1) return;
+    pid_t ancestor = state_.parent_pid;
+    for (int depth = 0; depth < kMaxAncestors && !mine.empty() && ancestor > 1; ++depth) {
+      const char* who = depth == 0 ? "parent" : "ancestor";
+      auto shared = shared_device_files(mine, ancestor, who);
+      if (!shared) return;
+      if (depth == 0) facts_.inherited_files = true;
+      detail::ProcReadError err;
+      auto names = detail::thread_names(ancestor, &err);
+      bool initialized = names && std::any_of(names->begin(), names->end(), is_driver_thread);
+      add(EvidenceKind::kInheritedFile,
+          fmt::format("{} {} PID {}{}", *shared, who, ancestor,
+                      initialized ? ", which is initialized (CUDA driver threads running)"
+                                  : ", which has no CUDA driver thread"),
+          "kcmp(KCMP_FILE)");
+      if (initialized) {
+        facts_.poisoned_proof = true;
+        state_.poisoned_by = ancestor;
+        return;
+      }
+      auto up = detail::parent_of(ancestor, &err);
+      if (!up) return;
+      ancestor = *up;
+    }
+  }
+
+  // "fd 7 (nvidia-uvm) is the same open file as fd 9 of" when one of `mine` shares its description
+  // with one of `other`'s device files; nullopt otherwise (with a note when kcmp was refused).
+  std::optional<std::string> shared_device_files(const std::vector<int>& mine, pid_t other,
+                                                 const char* who) {
     detail::ProcReadError err;
-    auto parent_files = detail::open_files(state_.parent_pid, &err);
-    if (!parent_files) {
-      state_.notes.push_back(fmt::format("parent {} not compared (kcmp): {}: {}", state_.parent_pid,
-                                         err.path, std::strerror(err.err)));
-      return;
+    auto other_files = detail::open_files(other, &err);
+    if (!other_files) {
+      state_.notes.push_back(fmt::format("{} {} not compared (kcmp): {}: {}", who, other, err.path,
+                                         std::strerror(err.err)));
+      return std::nullopt;
     }
     for (int fd : mine) {
-      for (const auto& pf : *parent_files) {
-        if (device_role(pf.target) == DeviceRole::kNone) continue;
-        int same = detail::same_file_description(state_.pid, fd, state_.parent_pid, pf.fd);
+      for (const auto& of : *other_files) {
+        if (device_role(of.target) == DeviceRole::kNone) continue;
+        int same = detail::same_file_description(state_.pid, fd, other, of.fd);
         if (same < 0) {
-          state_.notes.push_back(fmt::format("parent {} not compared: kcmp: {}", state_.parent_pid,
-                                             std::strerror(-same)));
-          return;
+          state_.notes.push_back(
+              fmt::format("{} {} not compared: kcmp: {}", who, other, std::strerror(-same)));
+          return std::nullopt;
         }
         if (same == 1) {
-          facts_.inherited_files = true;
-          add(EvidenceKind::kInheritedFile,
-              fmt::format("fd {} ({}) is the same open file as fd {} of parent PID {}", fd,
-                          basename_of(pf.target), pf.fd, state_.parent_pid),
-              "kcmp(KCMP_FILE)");
-          break;
+          return fmt::format("fd {} ({}) is the same open file as fd {} of", fd,
+                             basename_of(of.target), of.fd);
         }
       }
     }
+    return std::nullopt;
   }
 
   // Only calls that initialize nothing, and only on a driver already mapped here.

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -122,16 +123,29 @@ std::optional<std::vector<std::string>> thread_names(pid_t pid, ProcReadError* e
   return names;
 }
 
-std::optional<pid_t> parent_of(pid_t pid, ProcReadError* error) {
+std::optional<ProcStat> stat_of(pid_t pid, ProcReadError* error) {
   auto stat = read_file(proc_path(pid, "stat"), error);
   if (!stat) return std::nullopt;
-  // "pid (comm) state ppid ...": comm may hold spaces and parentheses; parse after the last ')'.
+  // "pid (comm) state ppid pgrp session tty_nr tpgid flags ...": comm may hold spaces and
+  // parentheses; parse after the last ')'.
+  auto open = stat->find('(');
   auto close = stat->rfind(')');
-  if (close == std::string::npos || close + 4 >= stat->size()) {
+  ProcStat s;
+  int pgrp = 0, session = 0, tty = 0, tpgid = 0;
+  if (open == std::string::npos || close == std::string::npos || close < open ||
+      std::sscanf(stat->c_str() + close + 1, " %c %d %d %d %d %d %u", &s.state, &s.parent, &pgrp,
+                  &session, &tty, &tpgid, &s.flags) != 7) {
     *error = {EINVAL, proc_path(pid, "stat")};
     return std::nullopt;
   }
-  return static_cast<pid_t>(std::atoi(stat->c_str() + close + 4));
+  s.comm = stat->substr(open + 1, close - open - 1);
+  return s;
+}
+
+std::optional<pid_t> parent_of(pid_t pid, ProcReadError* error) {
+  auto s = stat_of(pid, error);
+  if (!s) return std::nullopt;
+  return s->parent;
 }
 
 std::optional<std::vector<std::string>> environment_of(pid_t pid, ProcReadError* error) {

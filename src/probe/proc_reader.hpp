@@ -24,6 +24,16 @@ std::optional<std::vector<std::string>> mapped_paths(pid_t pid, ProcReadError* e
 std::optional<std::vector<OpenFile>> open_files(pid_t pid, ProcReadError* error);
 std::optional<std::vector<std::string>> thread_names(pid_t pid, ProcReadError* error);
 std::optional<pid_t> parent_of(pid_t pid, ProcReadError* error);
+
+// What /proc/PID/stat says of the process itself.
+struct ProcStat {
+  std::string comm;    // its name, as in /proc/PID/comm
+  char state = '?';    // R, S, D, Z (zombie), X (dead), ...
+  pid_t parent = 0;    // ppid
+  unsigned flags = 0;  // the kernel's PF_* flags
+};
+constexpr unsigned kPfKthread = 0x00200000;  // PF_KTHREAD: a kernel thread
+std::optional<ProcStat> stat_of(pid_t pid, ProcReadError* error);
 std::optional<std::vector<std::string>> environment_of(pid_t pid, ProcReadError* error);
 
 // kcmp(KCMP_FILE): 1 when both fds are the same open file description, 0 when not, -errno on

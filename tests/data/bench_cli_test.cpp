@@ -194,6 +194,19 @@ TEST(BenchLoaderCli, MissingOrEmptyDatasetIsNamed) {
   }
 }
 
+// CLI11 reads "-1" into a size_t as 2^64-1: it ran "summed over 18446744073709551615 workers".
+TEST(BenchCli, NegativeAndAbsurdWorkerCountsAreUsageErrors) {
+  for (const char* bench : {"loader", "decode"}) {
+    for (const char* workers : {"-1", "1025", "18446744073709551615", "two"}) {
+      auto r =
+          ft::run({ft::kForkguard, "bench", bench, "--data", "/nowhere", "--workers", workers});
+      EXPECT_EQ(r.exit_code, 2) << bench << " " << workers << ": " << r.err;
+      EXPECT_NE(r.err.find("--workers"), std::string::npos) << r.err;
+      EXPECT_EQ(r.out.find("summed over"), std::string::npos) << r.out;
+    }
+  }
+}
+
 // `bench decode` reads every file in the main thread: a FIFO or a symlink loop among them is named,
 // not a hang or an abort (exit 134).
 TEST(BenchDecodeCli, FifosAndSymlinkLoopsAreNamed) {

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -233,6 +234,18 @@ TEST(FileList, PathsAreRelativeToTheListAndLinesAreChecked) {
   write(root / "bad.txt", "img/a.jpg seven\n");
   EXPECT_EQ(ft::data_error_of([&] { fd::FileList((root / "bad.txt").string()); }),
             (root / "bad.txt").string() + ":1: expected \"path label\", got \"img/a.jpg seven\"");
+  // strtoll clamped these to the int64 limits: a label silently changed.
+  for (const char* label :
+       {"9223372036854775808", "-9223372036854775809", "99999999999999999999"}) {
+    write(root / "huge.txt", std::string("img/a.jpg 1\nimg/a.jpg ") + label + "\n");
+    EXPECT_EQ(ft::data_error_of([&] { fd::FileList((root / "huge.txt").string()); }),
+              (root / "huge.txt").string() + ":2: label " + label +
+                  " is out of range (a 64-bit signed integer)");
+  }
+  write(root / "max.txt", "img/a.jpg 9223372036854775807\nimg/a.jpg -9223372036854775808\n");
+  fd::FileList extremes((root / "max.txt").string());
+  EXPECT_EQ(extremes.read(0).label, INT64_MAX);
+  EXPECT_EQ(extremes.read(1).label, INT64_MIN);
   write(root / "none.txt", "\n# nothing\n");
   EXPECT_NE(ft::data_error_of([&] {
               fd::FileList((root / "none.txt").string());

@@ -19,6 +19,7 @@
 #include <set>
 #include <thread>
 
+#include "data/test_images.hpp"
 #include "data/test_pipeline.hpp"
 #include "detail/fnv.hpp"
 #include "forkguard/cuda/driver.hpp"
@@ -229,6 +230,37 @@ TEST(Loader, DropLastAndBatchShape) {
     ++n;
   }
   EXPECT_EQ(n, 3u);
+}
+
+// A dead zygote failed every later process loader with "Broken pipe" and stayed a zombie.
+TEST(Loader, ADeadForkServerIsReapedAndReplaced) {
+  const fd::LoaderOptions o = with(kKinds[5], {.batch_size = 16, .seed = 5, .shuffle = true});
+  const auto reference = hashes(with(kKinds[0], o), 1);
+  const pid_t old = zygote();
+  ASSERT_EQ(::kill(old, SIGKILL), 0);
+  siginfo_t info{};
+  ASSERT_EQ(::waitid(P_PID, static_cast<id_t>(old), &info, WEXITED | WNOWAIT), 0);  // dead now
+  ::testing::internal::CaptureStderr();
+  const auto after = hashes(o, 1);
+  const std::string said = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(after, reference);
+  EXPECT_NE(zygote(), old);
+  EXPECT_EQ(::waitpid(old, nullptr, WNOHANG), -1) << "the dead zygote is reaped";
+  EXPECT_EQ(errno, ECHILD);
+  EXPECT_NE(said.find(fmt::format("forkguard: the fork server (PID {}) died (killed by signal 9 "
+                                  "(SIGKILL)); started a new one (PID {})",
+                                  old, zygote())),
+            std::string::npos)
+      << said;
+  EXPECT_EQ(hashes(o, 1), reference) << "the new one serves the loaders after it";
+}
+
+// A negative count converted to size_t (2^64-1) was cast to int -1 and accepted.
+TEST(Loader, AbsurdWorkerCountsAreRefusedByName) {
+  for (size_t workers : {fd::kMaxWorkers + 1, static_cast<size_t>(-1)}) {
+    EXPECT_EQ(ft::data_error_of([&] { fd::Loader(dataset(), noise(), {.workers = workers}); }),
+              fmt::format("Loader: workers must be at most 1024, not {}", workers));
+  }
 }
 
 TEST(Loader, BadSampleErrorNamesIndexAndKeyAndTheEpochGoesOn) {

@@ -1,10 +1,13 @@
 // forkguard doctor as a user runs it: exit codes, text, JSON, errors.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "fake_cuda_gate.hpp"
 #include "paths.hpp"
 
 namespace ft = forkguard::testing;
@@ -87,6 +90,44 @@ TEST_F(Doctor, PoisonedChildNamesItsParentAndTheCure) {
   EXPECT_NE(r.out.find("CUDA_ERROR_NOT_INITIALIZED"), std::string::npos);
   EXPECT_NE(r.out.find("inherited_file"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("spawn"), std::string::npos) << r.out;
+  h.send("exit");
+  EXPECT_EQ(h.read_line(), "parent 0");
+}
+
+// In the middle of cuInit (device files open, driver thread not yet started) a process is not
+// poisoned: doctor said so, naming its innocent parent.
+TEST_F(Doctor, ProcessInsideCuInitIsNotCalledPoisoned) {
+  ft::CuInitGate gate(dir_.path());
+  ft::Interactive h({ft::kCudaStage}, gate.env(env_));
+  h.send("init");
+  gate.wait_until_held();
+  auto r = doctor({"--pid", std::to_string(h.pid())});
+  EXPECT_EQ(r.exit_code, 3) << r.err;
+  EXPECT_NE(r.out.find("verdict: initialized (fork UNSAFE)"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("forked from a parent"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("note: nvidia-uvm is open but the CUDA driver's threads are not running"),
+            std::string::npos)
+      << r.out;
+  gate.release();
+  EXPECT_EQ(h.read_line(), "ok");
+}
+
+TEST_F(Doctor, PoisonedGrandchildNamesTheInitializedProcess) {
+  ft::Interactive h({ft::kCudaStage}, env_);
+  ASSERT_EQ(h.ask("init"), "ok");
+  pid_t child = std::stoi(h.ask("fork").substr(6));
+  pid_t grandchild = std::stoi(h.ask("fork").substr(6));
+  auto r = doctor({"--pid", std::to_string(grandchild)});
+  EXPECT_EQ(r.exit_code, 3) << r.err;
+  EXPECT_NE(r.out.find("forked from a parent (PID " + std::to_string(child) +
+                       ") that descends from PID " + std::to_string(h.pid()) +
+                       ", which had initialized CUDA"),
+            std::string::npos)
+      << r.out;
+  auto j = doctor_json(grandchild, 3);
+  EXPECT_EQ(j["poisoned_by"], h.pid());
+  h.send("exit");
+  EXPECT_EQ(h.read_line(), "parent 0");
   h.send("exit");
   EXPECT_EQ(h.read_line(), "parent 0");
 }
@@ -196,6 +237,61 @@ TEST_F(Doctor, UsageErrorsAreExit2) {
   auto help = ft::run({ft::kForkguard, "doctor", "--help"});
   EXPECT_EQ(help.exit_code, 0);
   EXPECT_NE(help.out.find("--pid"), std::string::npos);
+}
+
+// CLI11's PositiveNumber answered "abc" with the double range spelled out (308 digits).
+TEST_F(Doctor, ABadPidIsAShortMessage) {
+  for (const char* bad : {"abc", "0", "-5", "99999999999", "12x"}) {
+    auto r = doctor({"--pid", bad});
+    EXPECT_EQ(r.exit_code, 2) << bad;
+    EXPECT_NE(
+        r.err.find(std::string("--pid: a PID is a whole number from 1 to 2147483647, not \"") +
+                   bad + "\""),
+        std::string::npos)
+        << r.err;
+    EXPECT_LT(r.err.size(), 300u) << r.err;
+  }
+}
+
+// A kernel thread has no user memory: "clean" was a verdict on nothing.
+TEST_F(Doctor, AKernelThreadIsNotAUserProcess) {
+  std::ifstream stat("/proc/2/stat");
+  std::string line;
+  std::getline(stat, line);
+  auto close = line.rfind(')');
+  unsigned long flags = 0;
+  int fields[5];
+  char state = 0;
+  if (line.rfind("2 (kthreadd)", 0) != 0 ||
+      std::sscanf(line.c_str() + close + 1, " %c %d %d %d %d %d %lu", &state, &fields[0],
+                  &fields[1], &fields[2], &fields[3], &fields[4], &flags) != 7 ||
+      !(flags & 0x00200000)) {
+    GTEST_SKIP() << "no kernel thread kthreadd as PID 2 in this PID namespace: " << line;
+  }
+  auto r = doctor({"--pid", "2"});
+  EXPECT_EQ(r.exit_code, 2) << r.out;
+  EXPECT_NE(r.err.find("PID 2 (kthreadd) is a kernel thread, not a user process"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.out.find("clean"), std::string::npos) << r.out;
+}
+
+TEST_F(Doctor, AZombieIsSaidToBeOne) {
+  pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  siginfo_t info{};
+  // Waits for the exit without reaping: the child is a zombie from here on, no sleep needed.
+  ASSERT_EQ(::waitid(P_PID, static_cast<id_t>(child), &info, WEXITED | WNOWAIT), 0);
+  auto r = doctor({"--pid", std::to_string(child)});
+  auto j = doctor_json(child, 2);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);
+  EXPECT_EQ(r.exit_code, 2) << r.out;
+  EXPECT_NE(r.err.find("PID " + std::to_string(child) +
+                       " (doctor_test) is a zombie: it has exited and its parent (PID " +
+                       std::to_string(::getpid()) + ") has not reaped it yet"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(j["error"].get<std::string>().find("is a zombie"), std::string::npos) << j;
 }
 
 TEST_F(Doctor, PermissionDeniedIsExit2SayingWhy) {

@@ -9,6 +9,7 @@
 
 #include <sstream>
 
+#include "fake_cuda_gate.hpp"
 #include "paths.hpp"
 
 namespace probe = forkguard::probe;
@@ -139,12 +140,73 @@ TEST_F(ProbeStages, ChildForkedAfterInitIsPoisoned) {
   EXPECT_EQ(s.verdict, probe::Verdict::kPoisoned);
   EXPECT_FALSE(s.fork_safe);
   EXPECT_TRUE(s.has(probe::EvidenceKind::kInheritedFile)) << "kcmp shows the parent's files";
+  EXPECT_EQ(s.poisoned_by, helper_.pid());
   EXPECT_FALSE(s.has(probe::EvidenceKind::kDriverThread)) << "threads do not survive fork";
   EXPECT_EQ(helper_.ask("init"), "error CUDA_ERROR_NOT_INITIALIZED")
       << "the poisoned child cannot initialize CUDA";
   helper_.send("exit");
   EXPECT_EQ(helper_.read_line(), "parent 0");
   EXPECT_EQ(both(), "initialized") << "the parent is still initialized";
+}
+
+// Device files open, driver thread not started yet: no parent shares those files, so nothing
+// proves a poisoning fork; it was called "poisoned", accusing an innocent parent.
+TEST(Probe, ProcessInsideCuInitIsInitializedNotPoisoned) {
+  ft::TempDir dir;
+  ft::CuInitGate gate(dir.path());
+  ft::Interactive h({ft::kCudaStage}, gate.env(ft::fake_cuda_env(dir.path())));
+  h.send("init");
+  gate.wait_until_held();
+  auto s = probe::pid(h.pid());
+  EXPECT_EQ(s.verdict, probe::Verdict::kInitialized);
+  EXPECT_FALSE(s.fork_safe);
+  EXPECT_TRUE(s.has(probe::EvidenceKind::kDeviceFileOpen));
+  EXPECT_FALSE(s.has(probe::EvidenceKind::kDriverThread)) << "held before its thread starts";
+  EXPECT_FALSE(s.has(probe::EvidenceKind::kInheritedFile));
+  EXPECT_EQ(s.poisoned_by, 0);
+  ASSERT_EQ(s.notes.size(), 1u);
+  EXPECT_NE(s.notes[0].find("cuInit is in progress"), std::string::npos) << s.notes[0];
+  gate.release();
+  EXPECT_EQ(h.read_line(), "ok");
+  EXPECT_EQ(outside(h.pid()), "initialized");
+}
+
+// The child shares its parent's NVML files (nvidiactl), but the parent never initialized CUDA:
+// the child can, and it was called "poisoned".
+TEST_F(ProbeStages, ChildOfAnNvmlParentIsNotPoisoned) {
+  ASSERT_EQ(helper_.ask("load"), "ok");
+  ASSERT_EQ(helper_.ask("nvml"), "ok");
+  auto child_line = helper_.ask("fork");
+  ASSERT_EQ(child_line.rfind("child ", 0), 0u) << child_line;
+  pid_t child = std::stoi(child_line.substr(6));
+  auto s = probe::pid(child);
+  EXPECT_EQ(s.verdict, probe::Verdict::kNvmlOpen);
+  EXPECT_TRUE(s.fork_safe);
+  EXPECT_TRUE(s.has(probe::EvidenceKind::kInheritedFile)) << "it does share nvidiactl";
+  EXPECT_EQ(verdict_of(helper_.ask("probe")), "nvml_open");
+  EXPECT_EQ(helper_.ask("init"), "ok") << "the child can initialize CUDA";
+  helper_.send("exit");
+  EXPECT_EQ(helper_.read_line(), "parent 0");
+}
+
+// A worker's worker: its parent is poisoned (no driver thread), its grandparent initialized.
+TEST_F(ProbeStages, GrandchildIsPoisonedByTheInitializedGrandparent) {
+  ASSERT_EQ(helper_.ask("init"), "ok");
+  auto child_line = helper_.ask("fork");
+  pid_t child = std::stoi(child_line.substr(6));
+  auto grandchild_line = helper_.ask("fork");
+  ASSERT_EQ(grandchild_line.rfind("child ", 0), 0u) << grandchild_line;
+  pid_t grandchild = std::stoi(grandchild_line.substr(6));
+  auto s = probe::pid(grandchild);
+  EXPECT_EQ(s.verdict, probe::Verdict::kPoisoned);
+  EXPECT_EQ(s.parent_pid, child);
+  EXPECT_EQ(s.poisoned_by, helper_.pid());
+  EXPECT_EQ(verdict_of(helper_.ask("probe")), "poisoned");
+  EXPECT_EQ(probe::pid(child).poisoned_by, helper_.pid());
+  helper_.send("exit");
+  EXPECT_EQ(helper_.read_line(), "parent 0");
+  helper_.send("exit");
+  EXPECT_EQ(helper_.read_line(), "parent 0");
 }
 
 TEST_F(ProbeStages, ChildForkedBeforeInitCanUseCuda) {

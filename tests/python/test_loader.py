@@ -162,3 +162,85 @@ def test_empty_class_folders_raise_unless_allowed(tmp_path):
     for _, y in loader:
         labels |= set(torch.from_dlpack(y).tolist())
     assert labels == {0, 1}
+
+
+def test_a_new_iterator_supersedes_the_live_one(images):
+    # As DataLoader(persistent_workers=True) resets its one iterator: the newer loop runs the next
+    # epoch; the older one raises instead of silently sharing its stream of batches.
+    loader = forkguard.ImageLoader(images, batch_size=4, workers=2, size=32, dtype="uint8")
+    first = iter(loader)
+    assert next(first)[0].epoch == 0
+    second = iter(loader)
+    with pytest.raises(forkguard.Error, match=r"iterator over the ImageLoader \(epoch 0\) was "
+                                              r"superseded by a newer one.*started epoch 1"):
+        next(first)
+    assert [images_t.epoch for images_t, _ in second] == [1] * len(loader)
+    with pytest.raises(StopIteration):
+        next(first)
+
+
+def test_epoch_advances_once_after_a_worker_error(images):
+    loader = forkguard.ImageLoader(images, batch_size=4, workers=2, worker_kind="process", size=32)
+    it = iter(loader)
+    next(it)
+    os.kill(loader.worker_pids()[0], signal.SIGKILL)
+    with pytest.raises(forkguard.WorkerError):
+        for _ in it:
+            pass
+    assert loader.epoch == 1
+    assert {images_t.epoch for images_t, _ in loader} == {1}, "epoch 1 was skipped"
+    assert {images_t.epoch for images_t, _ in loader} == {2}
+
+
+def test_use_after_close_is_a_value_error(images):
+    loader = forkguard.ImageLoader(images, batch_size=4, workers=1, size=32)
+    it = iter(loader)
+    next(it)
+    loader.close()
+    for use in (lambda: next(it), lambda: iter(loader), lambda: len(loader), loader.stats,
+                lambda: loader.set_epoch(3)):
+        with pytest.raises(ValueError, match="the ImageLoader is closed"):
+            use()
+
+
+def test_file_names_that_are_not_utf8_come_back_as_os_functions_give_them(tmp_path):
+    from conftest import make_images
+
+    root = make_images(tmp_path / os.fsdecode(b"imgs\xfe"), classes=2, per_class=2)
+    cls = root / "class0"
+    (cls / "img00.jpg").rename(cls / os.fsdecode(b"caf\xe9.jpg"))  # Latin-1 'café'
+    (cls / os.fsdecode(b"bad\xff.jpg")).write_bytes(b"not a jpeg")
+    loader = forkguard.ImageLoader(root, batch_size=8, workers=1, size=32, shuffle=False,
+                                   bad_sample="skip")
+    keys = [k for images_t, _ in loader for k in images_t.keys]
+    assert os.fsdecode(bytes(cls) + b"/caf\xe9.jpg") in keys
+    assert all(os.path.exists(k) for k in keys)
+    loader = forkguard.ImageLoader(os.fsencode(root), batch_size=8, workers=1, size=32,
+                                   shuffle=False)
+    with pytest.raises(forkguard.DataError, match=r"bad\\xff\.jpg") as raised:
+        for _ in loader:
+            pass
+    assert raised.value.key == os.fsdecode(bytes(cls) + b"/bad\xff.jpg")
+
+
+def test_a_dead_fork_server_is_reaped_and_replaced(images, capfd):
+    def first_batch_labels():
+        loader = forkguard.ImageLoader(images, batch_size=4, workers=2, worker_kind="process",
+                                       size=32, dtype="uint8", train=False)
+        try:
+            return torch.from_dlpack(next(iter(loader))[1]).tolist()
+        finally:
+            loader.close()
+
+    reference = first_batch_labels()
+    old = forkguard._native.fork_server_pid()
+    assert old is not None
+    os.kill(old, signal.SIGKILL)
+    os.waitid(os.P_PID, old, os.WEXITED | os.WNOWAIT)  # dead, not yet reaped
+    assert first_batch_labels() == reference  # was: SpawnError "Broken pipe"
+    new = forkguard._native.fork_server_pid()
+    assert new not in (None, old)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(old, os.WNOHANG)  # reaped: no zombie left
+    assert f"the fork server (PID {old}) died (killed by signal 9 (SIGKILL)); started a new " \
+           f"one (PID {new})" in capfd.readouterr().err

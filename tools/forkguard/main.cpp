@@ -5,7 +5,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <charconv>
 #include <chrono>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -31,6 +33,17 @@
 #include "forkguard/version.hpp"
 
 namespace {
+
+// CLI11's PositiveNumber on an int refused "abc" with the whole double range ("not in range 0 to
+// 1.79769e+308" spelled out: 308 digits).
+const CLI::Validator kPidValidator(
+    [](std::string& s) -> std::string {
+      int v = 0;
+      auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+      if (ec == std::errc() && end == s.data() + s.size() && v > 0) return {};
+      return fmt::format("a PID is a whole number from 1 to {}, not \"{}\"", INT_MAX, s);
+    },
+    "PID");
 
 // With --json, a failure is a JSON object on stdout too (a reader parses stdout whatever
 // happened), beside the message on stderr.
@@ -342,11 +355,12 @@ int main(int argc, char** argv) {
   auto* doc = app.add_subcommand(
       "doctor",
       "Tell whether a process holds CUDA driver state (is fork safe?), with the evidence and the "
-      "cure. Exit code: 0 fork-safe, 3 fork-unsafe, 2 usage or permission error.");
+      "cure. Exit code: 0 fork-safe, 3 fork-unsafe, 2 usage or permission error, or a PID that is "
+      "no live user process (a kernel thread, a zombie).");
   int pid = 0;
   bool json = false;
   doc->add_option("--pid", pid, "Process to inspect (default: this doctor process itself)")
-      ->check(CLI::PositiveNumber);
+      ->check(kPidValidator);
   doc->add_flag("--json", json,
                 "Print one JSON object: pid, verdict, fork_safe, evidence, advice, environment");
 
@@ -409,7 +423,10 @@ int main(int argc, char** argv) {
     sc->add_option("--format", bf.format, "imagefolder | filelist | wds")
         ->check(CLI::IsMember({"imagefolder", "filelist", "wds"}))
         ->capture_default_str();
-    sc->add_option("--workers", bf.workers, "Workers (threads for decode)")->capture_default_str();
+    // CLI11 reads "-1" into a size_t as 2^64-1: the range check refuses it by the flag's name.
+    sc->add_option("--workers", bf.workers, "Workers (threads for decode)")
+        ->capture_default_str()
+        ->check(CLI::Range(size_t{0}, forkguard::data::kMaxWorkers));
     sc->add_flag("--json", bf.json, "Print one JSON object");
   }
   bl->add_option("--worker-kind", bf.worker_kind, "thread | process")

@@ -72,9 +72,12 @@ struct DeviceOptions {
   size_t buffers = 2;    // device buffers kept ready (double-buffered); more when batches are held
 };
 
+// More workers than this is a mistake (a negative count converted, a typo), refused by name.
+constexpr size_t kMaxWorkers = 1024;
+
 struct LoaderOptions {
-  size_t batch_size = 64;                            // samples per batch
-  size_t workers = 0;                                // 0: the consumer's thread does the work
+  size_t batch_size = 64;  // samples per batch
+  size_t workers = 0;      // 0: the consumer's thread does the work; at most kMaxWorkers
   WorkerKind worker_kind = WorkerKind::kThread;      // threads or processes
   ProcessStart process_start = ProcessStart::kAuto;  // where process workers come from
   size_t prefetch = 2;                               // batches in flight per worker
@@ -135,6 +138,9 @@ class Loader {
   // Setting it mid-epoch abandons the rest of the current epoch.
   void set_epoch(uint64_t epoch);
   uint64_t epoch() const;
+  // Whether an epoch is under way: next() started it and it has neither ended, nor been
+  // abandoned (a worker error, a timeout, set_epoch()).
+  bool in_epoch() const;
 
   size_t size() const;  // batches per epoch
   size_t dataset_size() const;

@@ -10,10 +10,12 @@
 // nothing (cuDriverGetVersion, cuDeviceGetCount; cuDevicePrimaryCtxGetState and cuCtxGetCurrent
 // once the driver reports itself initialized). Probing a clean process leaves it clean.
 //
-// A child forked from an initialized parent ("poisoned") cannot use CUDA at all. It is told apart
-// by what it inherited: the mapped driver and the open device files (/dev/nvidia-uvm is opened by
-// cuInit, never by NVML), none of the driver's threads, and device-file descriptions shared with
-// its parent (kcmp).
+// A child forked from an initialized parent ("poisoned") cannot use CUDA at all. It is called so
+// only on proof: the mapped driver, none of the driver's threads, and device-file descriptions it
+// shares (kcmp) with its parent while that parent is itself initialized (its driver threads run;
+// through poisoned ancestors that share them too, up to the one that is). Device files open
+// without that proof (a process in the middle of cuInit, an orphan whose parent has exited) give
+// `initialized`, with a note.
 //
 // Thread-safety: self() and pid() may be called from any thread concurrently.
 #pragma once
@@ -58,6 +60,7 @@ struct Evidence {
 struct CudaState {
   pid_t pid = 0;
   pid_t parent_pid = 0;
+  pid_t poisoned_by = 0;  // kPoisoned: the initialized process whose device files this one shares
   Verdict verdict = Verdict::kClean;
   bool fork_safe = true;
   std::vector<Evidence> evidence;

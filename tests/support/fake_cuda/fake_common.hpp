@@ -6,6 +6,10 @@
 //                       opened (default $TMPDIR/forkguard-fake-cuda-dev)
 //   FAKE_CUDA_LOG       file that gets one line per call: "<pid> <function> <result>"
 //   FAKE_CUDA_COPY_DELAY_MS  async copies complete (and only then happen) this much later
+//   FAKE_CUDA_INIT_GATE a FIFO: cuInit, once its device files are open and before its thread
+//                       starts, opens it for reading and reads until a byte or end of file. A
+//                       test's open(O_WRONLY) of the FIFO returns exactly when a process is held
+//                       there (mid-cuInit); writing a byte or closing lets cuInit go on.
 #pragma once
 
 #include <fcntl.h>
@@ -40,6 +44,18 @@ inline int open_device(const char* name) {
   ::mkdir(dir.c_str(), 0777);  // EEXIST is fine
   std::string path = dir + "/" + name;
   return ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+}
+
+// FAKE_CUDA_INIT_GATE (see above); returns at once when it is not set.
+inline void wait_at_init_gate() {
+  const char* path = std::getenv("FAKE_CUDA_INIT_GATE");
+  if (path == nullptr || *path == '\0') return;
+  int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return;
+  char byte = 0;
+  while (::read(fd, &byte, 1) < 0 && errno == EINTR) {
+  }
+  ::close(fd);
 }
 
 // One write(2) per line with O_APPEND, so lines from concurrent processes never interleave.

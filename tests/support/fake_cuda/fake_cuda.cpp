@@ -1,7 +1,8 @@
 // The test driver: a stand-in libcuda.so.1 with the real driver's fork semantics.
 //
 // - cuInit records the owner PID, opens nvidiactl, nvidia-uvm and nvidiaN (see fake_common.hpp)
-//   and starts a thread named like the real driver's ("cuda-EvtHandlr").
+//   and starts a thread named like the real driver's ("cuda-EvtHandlr"); with FAKE_CUDA_INIT_GATE
+//   it waits between the two, so a test can hold a process in the middle of cuInit.
 // - Before cuInit every call except cuInit, cuDriverGetVersion and the error-name calls returns
 //   CUDA_ERROR_NOT_INITIALIZED and changes nothing.
 // - In a child forked after cuInit, every call, cuInit included, returns
@@ -189,6 +190,7 @@ CUresult cuInit(unsigned int flags) {
   for (int fd : g_fds) {
     if (fd < 0) return done("cuInit", CUDA_ERROR_UNKNOWN);
   }
+  fake_cuda::wait_at_init_gate();
   pthread_t thread;
   static sem_t started;
   ::sem_init(&started, 0, 0);
