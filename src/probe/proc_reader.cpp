@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "detail/decimal.hpp"
 #include "detail/fd.hpp"
 
 namespace forkguard::probe::detail {
@@ -55,6 +56,8 @@ std::optional<std::vector<std::string>> list_dir(const std::string& path, ProcRe
   return names;
 }
 
+}  // namespace
+
 std::string strip_deleted(std::string s) {
   constexpr std::string_view kDeleted = " (deleted)";
   if (s.size() > kDeleted.size() &&
@@ -64,17 +67,13 @@ std::string strip_deleted(std::string s) {
   return s;
 }
 
-}  // namespace
-
-std::optional<std::vector<std::string>> mapped_paths(pid_t pid, ProcReadError* error) {
-  auto text = read_file(proc_path(pid, "maps"), error);
-  if (!text) return std::nullopt;
+std::vector<std::string> parse_maps(std::string_view text) {
   std::vector<std::string> paths;
   size_t pos = 0;
-  while (pos < text->size()) {
-    size_t end = text->find('\n', pos);
-    if (end == std::string::npos) end = text->size();
-    std::string_view line(text->data() + pos, end - pos);
+  while (pos < text.size()) {
+    size_t end = text.find('\n', pos);
+    if (end == std::string_view::npos) end = text.size();
+    std::string_view line = text.substr(pos, end - pos);
     pos = end + 1;
     // address perms offset dev inode [path]: the path starts at the first '/' after 5 fields.
     size_t field = 0, i = 0;
@@ -91,6 +90,33 @@ std::optional<std::vector<std::string>> mapped_paths(pid_t pid, ProcReadError* e
   return paths;
 }
 
+std::optional<pid_t> parse_stat_parent(std::string_view text) {
+  // "pid (comm) state ppid ...": comm may hold spaces and parentheses; parse after the last ')'.
+  const size_t close = text.rfind(')');
+  if (close == std::string_view::npos || close + 4 >= text.size()) return std::nullopt;
+  std::string_view ppid = text.substr(close + 4);
+  ppid = ppid.substr(0, ppid.find(' '));
+  return forkguard::detail::parse_decimal<pid_t>(ppid);
+}
+
+std::vector<std::string> parse_environ(std::string_view text) {
+  std::vector<std::string> vars;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t end = text.find('\0', pos);
+    if (end == std::string_view::npos) end = text.size();
+    if (end > pos) vars.emplace_back(text.substr(pos, end - pos));
+    pos = end + 1;
+  }
+  return vars;
+}
+
+std::optional<std::vector<std::string>> mapped_paths(pid_t pid, ProcReadError* error) {
+  auto text = read_file(proc_path(pid, "maps"), error);
+  if (!text) return std::nullopt;
+  return parse_maps(*text);
+}
+
 std::optional<std::vector<OpenFile>> open_files(pid_t pid, ProcReadError* error) {
   const std::string dir = proc_path(pid, "fd");
   auto names = list_dir(dir, error);
@@ -101,8 +127,9 @@ std::optional<std::vector<OpenFile>> open_files(pid_t pid, ProcReadError* error)
     std::string link = dir + "/" + n;
     ssize_t len = ::readlink(link.c_str(), buf, sizeof buf - 1);
     if (len < 0) continue;  // closed while we looked
-    files.push_back(
-        {std::atoi(n.c_str()), strip_deleted(std::string(buf, static_cast<size_t>(len)))});
+    const auto fd = forkguard::detail::parse_decimal<int>(n);
+    if (!fd) continue;  // not an fd
+    files.push_back({*fd, strip_deleted(std::string(buf, static_cast<size_t>(len)))});
   }
   return files;
 }
@@ -125,27 +152,15 @@ std::optional<std::vector<std::string>> thread_names(pid_t pid, ProcReadError* e
 std::optional<pid_t> parent_of(pid_t pid, ProcReadError* error) {
   auto stat = read_file(proc_path(pid, "stat"), error);
   if (!stat) return std::nullopt;
-  // "pid (comm) state ppid ...": comm may hold spaces and parentheses; parse after the last ')'.
-  auto close = stat->rfind(')');
-  if (close == std::string::npos || close + 4 >= stat->size()) {
-    *error = {EINVAL, proc_path(pid, "stat")};
-    return std::nullopt;
-  }
-  return static_cast<pid_t>(std::atoi(stat->c_str() + close + 4));
+  auto parent = parse_stat_parent(*stat);
+  if (!parent) *error = {EINVAL, proc_path(pid, "stat")};
+  return parent;
 }
 
 std::optional<std::vector<std::string>> environment_of(pid_t pid, ProcReadError* error) {
   auto text = read_file(proc_path(pid, "environ"), error);
   if (!text) return std::nullopt;
-  std::vector<std::string> vars;
-  size_t pos = 0;
-  while (pos < text->size()) {
-    size_t end = text->find('\0', pos);
-    if (end == std::string::npos) end = text->size();
-    if (end > pos) vars.emplace_back(text->substr(pos, end - pos));
-    pos = end + 1;
-  }
-  return vars;
+  return parse_environ(*text);
 }
 
 int same_file_description(pid_t a, int fd_a, pid_t b, int fd_b) {
