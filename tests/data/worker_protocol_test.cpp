@@ -9,7 +9,7 @@
 #include "forkguard/data/error.hpp"
 
 namespace fd = forkguard::data::detail;
-using forkguard::data::TaskResult;
+using forkguard::data::detail::TaskResult;
 using Fields = std::vector<std::string>;
 
 namespace {
