@@ -5,7 +5,7 @@ JOBS ?= $(shell nproc)
 BUILD := build/$(PRESET)
 FAKE := $(BUILD)/lib/fake_cuda
 
-.PHONY: all deps build test demo asan tsan format format-check clean
+.PHONY: all deps build test demo asan tsan fuzz format format-check clean
 
 all: build
 
@@ -44,6 +44,14 @@ asan tsan: deps
 	cmake --preset $@
 	cmake --build --preset $@ -j $(JOBS)
 	ctest --preset $@ -j $(JOBS)
+
+# Every parser under libFuzzer (clang, ASan + UBSan) for FUZZ_SECONDS each, on its seed corpus
+# (tests/fuzz/corpus); a finding fails it and is left in build/fuzz/findings (docs/reliability.md).
+FUZZ_SECONDS ?= 60
+fuzz: deps
+	cmake --preset fuzz
+	cmake --build --preset fuzz -j $(JOBS)
+	scripts/fuzz $(FUZZ_SECONDS)
 
 SOURCES = $(shell git ls-files '*.cpp' '*.hpp' '*.h' '*.cc')
 format:

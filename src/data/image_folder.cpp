@@ -46,18 +46,34 @@ uint64_t digest_of(const std::vector<ImageFile>& files) {
   return h;
 }
 
-// Whether `s` is valid UTF-8 (a JSON string must be; a file name need not be).
+// Whether `s` is valid UTF-8 (a JSON string must be; a file name need not be), by RFC 3629 as
+// nlohmann's dump() checks it: no overlong forms, no surrogates, nothing past U+10FFFF. A looser
+// check (any 0xF0-0xF7 lead byte) let such a name into the description, and dump() threw
+// type_error 316 when the process workers were started (tests/fuzz/file_list_fuzz.cpp).
 bool valid_utf8(std::string_view s) {
   for (size_t i = 0; i < s.size();) {
     const auto c = static_cast<unsigned char>(s[i]);
-    const size_t n = c < 0x80           ? 1
-                     : (c >> 5) == 0x6  ? 2
-                     : (c >> 4) == 0xE  ? 3
-                     : (c >> 3) == 0x1E ? 4
-                                        : 0;
-    if (n == 0 || i + n > s.size()) return false;
+    size_t n = 0;
+    unsigned char lo = 0x80, hi = 0xBF;  // the range of the second byte
+    if (c < 0x80) {
+      n = 1;
+    } else if (c >= 0xC2 && c <= 0xDF) {
+      n = 2;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      n = 3;
+      if (c == 0xE0) lo = 0xA0;  // overlong
+      if (c == 0xED) hi = 0x9F;  // surrogates
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      n = 4;
+      if (c == 0xF0) lo = 0x90;  // overlong
+      if (c == 0xF4) hi = 0x8F;  // past U+10FFFF
+    } else {
+      return false;
+    }
+    if (i + n > s.size()) return false;
     for (size_t k = 1; k < n; ++k) {
-      if ((static_cast<unsigned char>(s[i + k]) >> 6) != 0x2) return false;
+      const auto b = static_cast<unsigned char>(s[i + k]);
+      if (k == 1 ? (b < lo || b > hi) : (b >> 6) != 0x2) return false;
     }
     i += n;
   }

@@ -27,6 +27,7 @@
 #include <optional>
 #include <tuple>
 
+#include "data/worker_protocol.hpp"
 #include "data/workers.hpp"
 #include "detail/seqpacket.hpp"
 #include "forkguard/data/error.hpp"
@@ -101,44 +102,49 @@ int serve(int sock, const Producer& producer) {
     std::vector<std::string> f;
     int fds[kMaxFds];
     if (!recv_message(sock, f, fds)) return 0;  // the loader closed our socket: stop
-    if (f.size() == 3 && f[0] == "slot" && fds[0] >= 0) {
-      slots.insert_or_assign(std::atoi(f[1].c_str()), Mapping(fds[0], to_u64(f[2])));
+    std::optional<SlotMessage> slot_message;
+    std::optional<TaskMessage> task;
+    try {
+      slot_message = decode_slot(f);
+      if (!slot_message) task = decode_task(f);
+    } catch (const DataError& e) {
+      // Not from our loader: no batch to answer for, and nothing sensible to do but stop.
+      std::fprintf(stderr, "forkguard: process worker %d: %s\n", static_cast<int>(::getpid()),
+                   e.what());
+      return 4;
+    }
+    if (slot_message && fds[0] >= 0) {
+      slots.insert_or_assign(slot_message->slot, Mapping(fds[0], slot_message->bytes));
       continue;
     }
     for (int fd : fds) {
       if (fd >= 0) ::close(fd);
     }
-    if (f.size() != 7 || f[0] != "task") continue;
+    if (!task) continue;
     uint64_t idle = static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - idle_from).count());
-    const int slot = std::atoi(f[3].c_str());
-    auto it = slots.find(slot);
+    auto it = slots.find(task->slot);
     TaskResult r;
     if (it == slots.end()) {
       r.kind = TaskResult::Kind::kInternal;
-      r.message = fmt::format("slot {} was never sent to this worker", slot);
+      r.message = fmt::format("slot {} was never sent to this worker", task->slot);
     } else {
       try {
         const auto& layout = producer.config().layout;
-        r = producer.run(to_u64(f[1]), get_indices(to_u64(f[4]), it->second.data(), layout),
+        r = producer.run(task->epoch, get_indices(task->count, it->second.data(), layout),
                          it->second.data(),
-                         {.shared = f[5] == "1", .fresh_fd = f[6] == "1" ? it->second.fd() : -1});
+                         {.shared = task->shared, .fresh_fd = task->fresh ? it->second.fd() : -1});
       } catch (const std::exception& e) {  // not a sample's fault (those are caught per sample)
         r.kind = TaskResult::Kind::kInternal;
         r.message = e.what();
       }
     }
-    nlohmann::json skipped = nlohmann::json::array();
-    for (const auto& s : r.skipped) {
-      skipped.push_back({s.position, s.index, s.key, s.reason, s.substitute});
-    }
-    if (!send_message(sock, {"done", f[2], f[3], std::to_string(static_cast<int>(r.kind)),
-                             r.message, u64(r.index), r.key, u64(r.read_ns), u64(r.transform_ns),
-                             u64(idle), skipped.dump(), u64(r.position)})) {
+    if (!send_message(sock, encode_done(task->batch, task->slot, r, idle))) {
       // The loader is gone (EPIPE: stop quietly) or the report could not be sent.
       if (errno == EPIPE || errno == ECONNRESET) return 0;
-      std::fprintf(stderr, "forkguard: process worker %d cannot report batch %s: %s\n",
-                   static_cast<int>(::getpid()), f[2].c_str(), std::strerror(errno));
+      std::fprintf(stderr, "forkguard: process worker %d cannot report batch %llu: %s\n",
+                   static_cast<int>(::getpid()), static_cast<unsigned long long>(task->batch),
+                   std::strerror(errno));
       return 4;
     }
     idle_from = Clock::now();
@@ -296,7 +302,7 @@ class ProcessWorkers : public Workers {
     if (!p.has_slot[static_cast<size_t>(task.slot)]) {
       Slot& s = setup_.pool->get(task.slot);
       int fd = s.memory.fd();
-      if (!send_message(p.sock.get(), {"slot", std::to_string(task.slot), u64(s.memory.size())},
+      if (!send_message(p.sock.get(), encode_slot({.slot = task.slot, .bytes = s.memory.size()}),
                         &fd, 1) &&
           errno != EPIPE && errno != ECONNRESET) {
         throw WorkerError(fmt::format("cannot send slot {} to worker {} (PID {}): {}", task.slot,
@@ -311,9 +317,12 @@ class ProcessWorkers : public Workers {
       put_indices(task.indices, setup_.pool->get(task.slot).memory.data(), setup_.producer.layout);
       indices_written_ = batch;
     }
-    if (!send_message(p.sock.get(), {"task", u64(task.epoch), u64(task.batch),
-                                     std::to_string(task.slot), u64(task.indices.size()),
-                                     task.shared ? "1" : "0", task.fresh ? "1" : "0"})) {
+    if (!send_message(p.sock.get(), encode_task({.epoch = task.epoch,
+                                                 .batch = task.batch,
+                                                 .slot = task.slot,
+                                                 .count = task.indices.size(),
+                                                 .shared = task.shared,
+                                                 .fresh = task.fresh}))) {
       // A dead worker (EPIPE, ECONNRESET) is reported by wait(); anything else would leave the
       // batch waiting for a task its worker never got.
       if (errno != EPIPE && errno != ECONNRESET) {
@@ -356,7 +365,7 @@ class ProcessWorkers : public Workers {
           for (int fd : got) {
             if (fd >= 0) ::close(fd);
           }
-          if (auto e = parse_done(w, f)) return e;
+          if (auto e = decode_done(w, f)) return e;
           continue;
         }
         if (errno == EAGAIN) continue;
@@ -509,27 +518,6 @@ class ProcessWorkers : public Workers {
     }
     if (f.size() == 1 && f[0] == "ready") return {};
     return f.size() == 2 && f[0] == "failed" ? f[1] : std::string("bad reply");
-  }
-
-  std::optional<WorkerEvent> parse_done(int w, const std::vector<std::string>& f) {
-    if (f.size() != 12 || f[0] != "done") return std::nullopt;
-    WorkerEvent e;
-    e.kind = WorkerEvent::Kind::kDone;
-    e.worker = w;
-    e.batch = to_u64(f[1]);
-    e.slot = std::atoi(f[2].c_str());
-    e.result.kind = static_cast<TaskResult::Kind>(std::atoi(f[3].c_str()));
-    e.result.message = f[4];
-    e.result.index = to_u64(f[5]);
-    e.result.key = f[6];
-    e.result.read_ns = to_u64(f[7]);
-    e.result.transform_ns = to_u64(f[8]);
-    e.idle_ns = to_u64(f[9]);
-    e.result.position = to_u64(f[11]);
-    for (const auto& s : nlohmann::json::parse(f[10])) {
-      e.result.skipped.push_back({s[0], s[1], s[2], s[3], s[4]});
-    }
-    return e;
   }
 
   WorkerEvent died(int w) {

@@ -106,6 +106,11 @@ std::vector<std::string> expand_braces(const std::string& whole, std::string_vie
   }
   const std::string prefix(p.substr(0, open));
   const std::vector<std::string> rests = expand_braces(whole, p.substr(close + 1));
+  // Groups multiply: {0..999999}{0..999999} asked for 10^12 names (an allocation that ASan
+  // refused, found by tests/fuzz/shard_pattern_fuzz.cpp).
+  if (alternatives.size() * rests.size() > kMaxRange) {
+    throw DataError(fmt::format("\"{}\": names more than {} shards", whole, kMaxRange));
+  }
   std::vector<std::string> out;
   out.reserve(alternatives.size() * rests.size());
   for (const auto& alt : alternatives) {

@@ -22,12 +22,14 @@
 #include <optional>
 #include <vector>
 
+#include "detail/decimal.hpp"
 #include "detail/seqpacket.hpp"
 
 #include "forkguard/launch/exit_status.hpp"
 #include "forkguard/launch/launcher.hpp"
 #include "forkguard/probe/cuda_state.hpp"
 #include "launch/child.hpp"
+#include "launch/zygote_protocol.hpp"
 
 extern char** environ;
 
@@ -44,10 +46,6 @@ using forkguard::detail::send_message;
 std::map<std::string, ZygoteFunction>& zygote_functions() {
   static std::map<std::string, ZygoteFunction> functions;
   return functions;
-}
-
-int to_int(const std::string& s) {
-  return std::atoi(s.c_str());
 }
 
 // ---------------------------------------------------------------- the zygote's side
@@ -133,33 +131,24 @@ class Zygote {
 
   // entry NAME RANK LOCAL WORLD LOCAL_WORLD NODE RESTART NARGS ARGS... ENV...
   void start_entry(const std::vector<std::string>& f, const ChildIo& io) {
-    if (f.size() < 9) return reply_error("malformed entry request");
-    EntryFunction fn = find_entry(f[1]);
-    if (fn == nullptr) return reply_error(fmt::format("no entry function named \"{}\"", f[1]));
+    EntryRequest r = decode_entry_request(f);  // a malformed one: its reason is the reply
+    EntryFunction fn = find_entry(r.name);
+    if (fn == nullptr) return reply_error(fmt::format("no entry function named \"{}\"", r.name));
     check_clean();
-    RankContext ctx{
-        to_int(f[2]), to_int(f[3]), to_int(f[4]), to_int(f[5]), to_int(f[6]), to_int(f[7]), {}};
-    size_t nargs = static_cast<size_t>(to_int(f[8]));
-    if (f.size() < 9 + nargs) return reply_error("malformed entry request");
-    ctx.args.assign(f.begin() + 9, f.begin() + 9 + static_cast<long>(nargs));
-    std::vector<std::string> env(f.begin() + 9 + static_cast<long>(nargs), f.end());
-    auto envp = c_array(env);
-    auto child = fork_call(fn, ctx, envp.data(), io);
+    auto envp = c_array(r.env);
+    auto child = fork_call(fn, r.ctx, envp.data(), io);
     send_message(sock_, {"started", std::to_string(child.pid)}, nullptr, 0);
   }
 
   // exec NARGV ARGV... ENV...
   void start_exec(const std::vector<std::string>& f, const ChildIo& io) {
-    if (f.size() < 2) return reply_error("malformed exec request");
-    size_t nargv = static_cast<size_t>(to_int(f[1]));
-    if (f.size() < 2 + nargv || nargv == 0) return reply_error("malformed exec request");
-    std::vector<std::string> argv(f.begin() + 2, f.begin() + 2 + static_cast<long>(nargv));
+    ExecRequest r = decode_exec_request(f);
     EnvMap env;
-    for (size_t i = 2 + nargv; i < f.size(); ++i) {
-      auto eq = f[i].find('=');
-      if (eq != std::string::npos) env[f[i].substr(0, eq)] = f[i].substr(eq + 1);
+    for (const auto& kv : r.env) {
+      auto eq = kv.find('=');
+      if (eq != std::string::npos) env[kv.substr(0, eq)] = kv.substr(eq + 1);
     }
-    auto child = spawn_exec(prepare_exec(argv, env), io);
+    auto child = spawn_exec(prepare_exec(r.argv, env), io);
     send_message(sock_, {"started", std::to_string(child.pid)}, nullptr, 0);
   }
 
@@ -288,8 +277,8 @@ bool ForkServer::read_one(bool block) {
   for (int fd : fds) {
     if (fd >= 0) ::close(fd);
   }
-  if (!f.empty() && f[0] == "exit" && f.size() == 3) {
-    exits_.emplace_back(to_int(f[1]), to_int(f[2]));
+  if (auto exit = decode_exit_report(f)) {
+    exits_.push_back(*exit);
   } else {
     reply_ = std::move(f);
     have_reply_ = true;
@@ -349,33 +338,21 @@ pid_t ForkServer::request(const std::vector<std::string>& fields, int stdout_fd,
     }
     replace_dead_zygote();
   }
-  if (reply_.size() == 2 && reply_[0] == "started") return to_int(reply_[1]);
+  if (reply_.size() == 2 && reply_[0] == "started") {
+    if (auto pid = forkguard::detail::parse_decimal<pid_t>(reply_[1]); pid && *pid > 0) return *pid;
+  }
   throw SpawnError(fmt::format("the fork server (PID {}) refused: {}", pid_,
                                reply_.size() >= 2 ? reply_[1] : std::string("bad reply")));
 }
 
 pid_t ForkServer::start_entry(const std::string& entry, const RankContext& ctx,
                               const std::vector<std::string>& env, int stdout_fd, int stderr_fd) {
-  std::vector<std::string> f = {"entry",
-                                entry,
-                                std::to_string(ctx.rank),
-                                std::to_string(ctx.local_rank),
-                                std::to_string(ctx.world_size),
-                                std::to_string(ctx.local_world_size),
-                                std::to_string(ctx.node_rank),
-                                std::to_string(ctx.restart_count),
-                                std::to_string(ctx.args.size())};
-  f.insert(f.end(), ctx.args.begin(), ctx.args.end());
-  f.insert(f.end(), env.begin(), env.end());
-  return request(f, stdout_fd, stderr_fd);
+  return request(encode_entry_request(entry, ctx, env), stdout_fd, stderr_fd);
 }
 
 pid_t ForkServer::start_exec(const std::vector<std::string>& argv,
                              const std::vector<std::string>& env, int stdout_fd, int stderr_fd) {
-  std::vector<std::string> f = {"exec", std::to_string(argv.size())};
-  f.insert(f.end(), argv.begin(), argv.end());
-  f.insert(f.end(), env.begin(), env.end());
-  return request(f, stdout_fd, stderr_fd);
+  return request(encode_exec_request(argv, env), stdout_fd, stderr_fd);
 }
 
 pid_t ForkServer::start_call(const std::string& function, int fd, int stdout_fd, int stderr_fd) {

@@ -6,11 +6,14 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
+#include "detail/decimal.hpp"
 #include "detail/fd.hpp"
 
 namespace forkguard::probe::detail {
@@ -56,6 +59,8 @@ std::optional<std::vector<std::string>> list_dir(const std::string& path, ProcRe
   return names;
 }
 
+}  // namespace
+
 std::string strip_deleted(std::string s) {
   constexpr std::string_view kDeleted = " (deleted)";
   if (s.size() > kDeleted.size() &&
@@ -65,17 +70,13 @@ std::string strip_deleted(std::string s) {
   return s;
 }
 
-}  // namespace
-
-std::optional<std::vector<std::string>> mapped_paths(pid_t pid, ProcReadError* error) {
-  auto text = read_file(proc_path(pid, "maps"), error);
-  if (!text) return std::nullopt;
+std::vector<std::string> parse_maps(std::string_view text) {
   std::vector<std::string> paths;
   size_t pos = 0;
-  while (pos < text->size()) {
-    size_t end = text->find('\n', pos);
-    if (end == std::string::npos) end = text->size();
-    std::string_view line(text->data() + pos, end - pos);
+  while (pos < text.size()) {
+    size_t end = text.find('\n', pos);
+    if (end == std::string_view::npos) end = text.size();
+    std::string_view line = text.substr(pos, end - pos);
     pos = end + 1;
     // address perms offset dev inode [path]: the path starts at the first '/' after 5 fields.
     size_t field = 0, i = 0;
@@ -92,6 +93,59 @@ std::optional<std::vector<std::string>> mapped_paths(pid_t pid, ProcReadError* e
   return paths;
 }
 
+std::optional<ProcStat> parse_stat(std::string_view text) {
+  // "pid (comm) state ppid pgrp session tty_nr tpgid flags ...": comm may hold spaces and
+  // parentheses; the fields are read after the last ')', each whole and in range.
+  const size_t open = text.find('(');
+  const size_t close = text.rfind(')');
+  if (open == std::string_view::npos || close == std::string_view::npos || close < open) {
+    return std::nullopt;
+  }
+  std::vector<std::string_view> fields;
+  for (size_t pos = close + 1; pos < text.size() && fields.size() < 7;) {
+    while (pos < text.size() && text[pos] == ' ') ++pos;
+    size_t end = std::min(text.find(' ', pos), text.size());
+    if (end > pos) fields.push_back(text.substr(pos, end - pos));
+    pos = end;
+  }
+  // state ppid pgrp session tty_nr tpgid flags; a line cut after the parent still names it
+  if (fields.size() < 2 || fields[0].size() != 1) return std::nullopt;
+  auto parent = forkguard::detail::parse_decimal<pid_t>(fields[1]);
+  auto flags = fields.size() == 7 ? forkguard::detail::parse_decimal<unsigned>(fields[6])
+                                  : std::optional<unsigned>(0);
+  if (!parent || !flags) return std::nullopt;
+  ProcStat s;
+  s.comm = std::string(text.substr(open + 1, close - open - 1));
+  s.state = fields[0][0];
+  s.parent = *parent;
+  s.flags = *flags;
+  return s;
+}
+
+std::optional<pid_t> parse_stat_parent(std::string_view text) {
+  auto s = parse_stat(text);
+  if (!s) return std::nullopt;
+  return s->parent;
+}
+
+std::vector<std::string> parse_environ(std::string_view text) {
+  std::vector<std::string> vars;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t end = text.find('\0', pos);
+    if (end == std::string_view::npos) end = text.size();
+    if (end > pos) vars.emplace_back(text.substr(pos, end - pos));
+    pos = end + 1;
+  }
+  return vars;
+}
+
+std::optional<std::vector<std::string>> mapped_paths(pid_t pid, ProcReadError* error) {
+  auto text = read_file(proc_path(pid, "maps"), error);
+  if (!text) return std::nullopt;
+  return parse_maps(*text);
+}
+
 std::optional<std::vector<OpenFile>> open_files(pid_t pid, ProcReadError* error) {
   const std::string dir = proc_path(pid, "fd");
   auto names = list_dir(dir, error);
@@ -102,8 +156,9 @@ std::optional<std::vector<OpenFile>> open_files(pid_t pid, ProcReadError* error)
     std::string link = dir + "/" + n;
     ssize_t len = ::readlink(link.c_str(), buf, sizeof buf - 1);
     if (len < 0) continue;  // closed while we looked
-    files.push_back(
-        {std::atoi(n.c_str()), strip_deleted(std::string(buf, static_cast<size_t>(len)))});
+    const auto fd = forkguard::detail::parse_decimal<int>(n);
+    if (!fd) continue;  // not an fd
+    files.push_back({*fd, strip_deleted(std::string(buf, static_cast<size_t>(len)))});
   }
   return files;
 }
@@ -126,19 +181,8 @@ std::optional<std::vector<std::string>> thread_names(pid_t pid, ProcReadError* e
 std::optional<ProcStat> stat_of(pid_t pid, ProcReadError* error) {
   auto stat = read_file(proc_path(pid, "stat"), error);
   if (!stat) return std::nullopt;
-  // "pid (comm) state ppid pgrp session tty_nr tpgid flags ...": comm may hold spaces and
-  // parentheses; parse after the last ')'.
-  auto open = stat->find('(');
-  auto close = stat->rfind(')');
-  ProcStat s;
-  int pgrp = 0, session = 0, tty = 0, tpgid = 0;
-  if (open == std::string::npos || close == std::string::npos || close < open ||
-      std::sscanf(stat->c_str() + close + 1, " %c %d %d %d %d %d %u", &s.state, &s.parent, &pgrp,
-                  &session, &tty, &tpgid, &s.flags) != 7) {
-    *error = {EINVAL, proc_path(pid, "stat")};
-    return std::nullopt;
-  }
-  s.comm = stat->substr(open + 1, close - open - 1);
+  auto s = parse_stat(*stat);
+  if (!s) *error = {EINVAL, proc_path(pid, "stat")};
   return s;
 }
 
@@ -151,15 +195,7 @@ std::optional<pid_t> parent_of(pid_t pid, ProcReadError* error) {
 std::optional<std::vector<std::string>> environment_of(pid_t pid, ProcReadError* error) {
   auto text = read_file(proc_path(pid, "environ"), error);
   if (!text) return std::nullopt;
-  std::vector<std::string> vars;
-  size_t pos = 0;
-  while (pos < text->size()) {
-    size_t end = text->find('\0', pos);
-    if (end == std::string::npos) end = text->size();
-    if (end > pos) vars.emplace_back(text->substr(pos, end - pos));
-    pos = end + 1;
-  }
-  return vars;
+  return parse_environ(*text);
 }
 
 int same_file_description(pid_t a, int fd_a, pid_t b, int fd_b) {

@@ -5,6 +5,7 @@
 
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace forkguard::probe::detail {
@@ -35,6 +36,18 @@ struct ProcStat {
 constexpr unsigned kPfKthread = 0x00200000;  // PF_KTHREAD: a kernel thread
 std::optional<ProcStat> stat_of(pid_t pid, ProcReadError* error);
 std::optional<std::vector<std::string>> environment_of(pid_t pid, ProcReadError* error);
+
+// The parsers behind them, on a file's text (tests/fuzz/proc_files_fuzz.cpp feeds them any bytes).
+// /proc/PID/maps: the mapped files' paths, consecutive repeats dropped, " (deleted)" stripped.
+std::vector<std::string> parse_maps(std::string_view text);
+// /proc/PID/stat: name, state, parent and flags (the fields after the last ')'); nullopt when
+// the text is not a stat line.
+std::optional<ProcStat> parse_stat(std::string_view text);
+std::optional<pid_t> parse_stat_parent(std::string_view text);  // parse_stat's parent
+// /proc/PID/environ: the NUL-separated "K=V" strings.
+std::vector<std::string> parse_environ(std::string_view text);
+// An fd link's target without " (deleted)".
+std::string strip_deleted(std::string target);
 
 // kcmp(KCMP_FILE): 1 when both fds are the same open file description, 0 when not, -errno on
 // failure (ENOSYS, EPERM where kcmp is filtered or ptrace access is refused).

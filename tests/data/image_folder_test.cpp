@@ -102,6 +102,25 @@ TEST(ImageFolder, DescriptionCarriesTheFilesOrChecksTheRescan) {
   for (size_t i = 0; i < odd.size(); ++i) EXPECT_EQ(again->key(i), odd.key(i));
 }
 
+// Bytes a loose UTF-8 check took for UTF-8 (found by tests/fuzz/file_list_fuzz.cpp: a 0xF6 lead
+// byte): each name stays out of the description's JSON list, whose dump() threw type_error 316.
+TEST(FileList, NamesThatAreNotStrictUtf8DescribeWithoutTheList) {
+  forkguard::testing::TempDir dir;
+  for (const char* name : {"\xf6\x8f\xae\xb0.jpg", "\xc0\xaf.jpg", "\xed\xa0\x80.jpg",
+                           "\xf4\x90\x80\x80.jpg", "\xe0\x80\xaf.jpg"}) {
+    const fs::path list = fs::path(dir.path()) / "list.txt";
+    write(list, std::string(name) + " 3\n");
+    fd::FileList files(list.string());
+    const auto d = *files.describe();
+    EXPECT_FALSE(d.params.contains("paths")) << name;
+    EXPECT_NO_THROW((void)d.params.dump()) << name;
+  }
+  // Valid UTF-8 of every length still travels in the list.
+  const fs::path list = fs::path(dir.path()) / "ok.txt";
+  write(list, "caf\xc3\xa9-\xe2\x82\xac-\xf0\x9f\x98\x80.jpg 1\n");
+  EXPECT_TRUE(fd::FileList(list.string()).describe()->params.contains("paths"));
+}
+
 TEST(ImageFolder, BadRootsAndFilesAreNamed) {
   forkguard::testing::TempDir dir;
   fs::path root = fs::path(dir.path());

@@ -216,6 +216,10 @@ TEST(TarShards, BracePatternsDirectoriesAndDescribe) {
                   "'{' without '}'");
   EXPECT_CONTAINS(ft::data_error_of([] { fd::expand_shard_pattern("s-{abc}.tar"); }),
                   "expected {first..last} or {a,b,...}");
+  // Groups multiply: 10^12 names were allocated for (tests/fuzz/shard_pattern_fuzz.cpp).
+  EXPECT_CONTAINS(ft::data_error_of([] { fd::expand_shard_pattern("{0..999999}{0..999999}.tar"); }),
+                  "names more than 1000000 shards");
+  EXPECT_EQ(fd::expand_shard_pattern("{0..999}{0..999}.tar").size(), 1'000'000u);
 }
 
 // A FIFO named like a shard is refused, not waited on: open() of a FIFO blocks until a writer
