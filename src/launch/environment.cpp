@@ -56,6 +56,17 @@ void place_by_slurm(Placement& p, const EnvMap& env) {
   p.nnodes = nodes->second;
   p.node_rank = *int_var(env, "SLURM_NODEID");
   p.source = "slurm";
+  if (str_var(env, "SLURM_STEP_ID") == nullptr && str_var(env, "SLURM_STEPID") == nullptr) {
+    // The batch script itself: one node is a whole world on loopback; more are not.
+    if (p.nnodes > 1) {
+      throw PlacementError(fmt::format(
+          "this is the batch script of a {}-node Slurm job ({}={}), not a task of a step: "
+          "forkguard run here would be node 0 of {} waiting for nodes that never start. Start "
+          "it on every node with srun --ntasks-per-node=1 forkguard run ...",
+          p.nnodes, nodes->first, p.nnodes, p.nnodes));
+    }
+    return;
+  }
   if (tasks && tasks->second > nodes->second) {
     throw PlacementError(fmt::format(
         "under Slurm, {} tasks share {} node{} ({}={}, {}={}): forkguard run starts every rank "
@@ -64,14 +75,6 @@ void place_by_slurm(Placement& p, const EnvMap& env) {
         "--ntasks-per-node=1)",
         tasks->second, nodes->second, nodes->second == 1 ? "" : "s", tasks->first, tasks->second,
         nodes->first, nodes->second));
-  }
-  if (p.nnodes > 1 && str_var(env, "SLURM_STEP_ID") == nullptr &&
-      str_var(env, "SLURM_STEPID") == nullptr) {
-    throw PlacementError(fmt::format(
-        "this is the batch script of a {}-node Slurm job ({}={}), not a task of a step: "
-        "forkguard run here would be node 0 of {} waiting for nodes that never start. Start it "
-        "on every node with srun --ntasks-per-node=1 forkguard run ...",
-        p.nnodes, nodes->first, p.nnodes, p.nnodes));
   }
 }
 
@@ -85,8 +88,7 @@ void require_master_for_mpi(const Placement& p, const EnvMap& env) {
   throw PlacementError(fmt::format(
       "started by {} as node {} of {} ({}={}, {}={}), possibly on several hosts, and no master "
       "address is given: every node would rendezvous at its own 127.0.0.1. Give the host of node "
-      "rank 0: --master-addr HOST (or MASTER_ADDR=HOST), e.g. mpirun -x MASTER_ADDR=$(hostname) "
-      "...",
+      "rank 0: --master-addr HOST (or MASTER_ADDR=HOST, e.g. mpirun -x MASTER_ADDR=HOST ...)",
       p.source == "open mpi" ? "mpirun (Open MPI)" : "a PMI launcher", p.node_rank, p.nnodes, size,
       p.nnodes, local, local_size ? std::to_string(*local_size) : std::string("unset")));
 }

@@ -188,14 +188,16 @@ TEST(Placement, ABatchScriptOfAMultiNodeJobIsNotANode) {
   auto msg = placement_error({}, {{"SLURM_JOB_ID", "7"},
                                   {"SLURM_JOB_NODELIST", "n[1-2]"},
                                   {"SLURM_NNODES", "2"},
+                                  {"SLURM_NTASKS", "8"},
                                   {"SLURM_NODEID", "0"}});
   EXPECT_NE(msg.find("batch script of a 2-node Slurm job (SLURM_NNODES=2)"), std::string::npos)
       << msg;
-  // A one-node job's batch script is a whole world by itself, on loopback.
+  // A one-node job's batch script is a whole world by itself, on loopback, whatever its tasks.
   auto p = fl::resolve_placement({}, 2,
                                  {{"SLURM_JOB_ID", "7"},
                                   {"SLURM_JOB_NODELIST", "n1"},
                                   {"SLURM_NNODES", "1"},
+                                  {"SLURM_NTASKS", "4"},
                                   {"SLURM_NODEID", "0"}});
   EXPECT_EQ(p.master_addr, "127.0.0.1");
   EXPECT_EQ(p.master_port, 10007);
