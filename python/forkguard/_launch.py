@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from ._native import Error
+from ._native import Error, _RankOutput
 
 _lock = threading.RLock()
 _server: Optional["_Server"] = None
@@ -204,8 +204,9 @@ class _Rank:
         self.rank = rank
         self.pid = 0
         self.fds: Dict[int, str] = {}  # our read ends: fd -> "out" | "err" | "res"
-        self.partial = {"out": b"", "err": b""}
-        self.tail: List[str] = []  # last stderr lines
+        # As the console shows each stream: the launcher's own code, so notebook_launch prints
+        # lines, '\r' progress bars and partial lines exactly as `forkguard run` does.
+        self.output = {"out": _RankOutput(rank), "err": _RankOutput(rank, tail_lines=20)}
         self.result: List[bytes] = []  # chunks, joined once: linear in the return value's size
         self.status: Optional[int] = None
         self.outcome = None
@@ -218,19 +219,31 @@ class _Rank:
 
 
 def _emit(r: _Rank, stream: str, data: bytes, final: bool = False):
-    buf = r.partial[stream] + data
-    lines = buf.split(b"\n")
-    r.partial[stream] = b"" if final else lines.pop()
-    if final and lines and lines[-1] == b"":
-        lines.pop()
-    if not lines:
-        return
-    out = sys.stdout if stream == "out" else sys.stderr
-    text = "".join(f"[rank{r.rank}]: {ln.decode(errors='replace')}\n" for ln in lines)
-    if stream == "err":
-        r.tail = (r.tail + text.splitlines())[-20:]
-    out.write(text)
-    out.flush()
+    out = r.output[stream]
+    _show(stream, out.close() if final else out.feed(data))
+
+
+def _show(stream: str, text: bytes):
+    if text:
+        out = sys.stdout if stream == "out" else sys.stderr
+        out.write(text.decode(errors="replace"))
+        out.flush()
+
+
+def _show_due(ranks) -> float:
+    """Shows the '\r' states that are due; the seconds until the next one (1 when none)."""
+    wait = 1.0
+    for r in ranks:
+        for stream, out in r.output.items():
+            text, due = out.show_due()
+            _show(stream, text)
+            if due is not None:
+                wait = min(wait, due)
+    return wait
+
+
+def _tail(r: _Rank) -> List[str]:
+    return [line.decode(errors="replace") for line in r.output["err"].tail]
 
 
 def notebook_launch(fn: Callable[..., Any], args: Sequence[Any] = (), nproc: int = 1, *,
@@ -389,7 +402,7 @@ def _supervise(server, ranks, by_pid, grace, timeout):
     stop_sent = kill_at = None
     while not all(r.done() for r in ranks):
         now = time.monotonic()
-        wait = 1.0
+        wait = _show_due(ranks)
         if kill_at is not None:
             wait = max(0.0, min(wait, kill_at - now))
         if deadline is not None:
@@ -487,8 +500,8 @@ def _rank_error(ranks: List[_Rank], restarts: int) -> RankError:
                 cause = None
     else:
         head = f"rank {root.rank} failed: {_describe_status(root.status or 0)}"
-        if root.tail:
-            tb = "\n".join(root.tail)
+        if _tail(root):
+            tb = "\n".join(_tail(root))
     restarts_note = f" after {restarts} restart{'s' if restarts != 1 else ''}" if restarts else ""
     message = head + restarts_note
     if tb:

@@ -23,6 +23,7 @@
 #include "launch/child.hpp"
 #include "launch/fork_server.hpp"
 #include "launch/init_state.hpp"
+#include "launch/rank_output.hpp"
 
 #ifndef P_PIDFD
 #define P_PIDFD 3
@@ -89,14 +90,8 @@ StartMethod resolve_method(const Options& o, const Job& job) {
 
 struct Stream {
   UniqueFd fd;
-  std::string partial;  // the unfinished line
   UniqueFd log;
-  // The state to show on the console (a '\r'-ended or an unfinished line) and when.
-  std::string state;
-  bool state_unfinished = false;
-  Clock::time_point show_at{};  // zero: nothing to show
-  Clock::time_point shown_at{};
-  size_t shown_len = 0;  // bytes at the start of `partial` already shown as a state
+  detail::RankOutput output;  // what the console shows of it
 };
 
 struct Rank {
@@ -112,7 +107,6 @@ struct Rank {
   double seconds = 0;
   bool stopped_by_launcher = false;
   Stream out, err;
-  std::deque<std::string> tail;
   UniqueFd exec_check;  // until the exec is known to have happened
   std::string exec_path;
   bool forgotten = false;  // its group is gone and the watchdog no longer guards it
@@ -203,7 +197,7 @@ class Attempt {
                            r.status,
                            r.seconds,
                            r.stopped_by_launcher,
-                           {r.tail.begin(), r.tail.end()}});
+                           {r.err.output.tail().begin(), r.err.output.tail().end()}});
     }
     return res;
   }
@@ -253,6 +247,9 @@ class Attempt {
       UniqueFd out_w(out[1]), err_w(err[1]);
       r.out.log = open_log(i, "stdout.log");
       r.err.log = open_log(i, "stderr.log");
+      r.out.output = detail::RankOutput({.rank = r.rank, .prefix = o_.log.prefix});
+      r.err.output = detail::RankOutput(
+          {.rank = r.rank, .prefix = o_.log.prefix, .tail_lines = o_.log.stderr_tail_lines});
       detail::ChildIo io{out_w.get(), err_w.get()};
       EnvMap env = environment_for(i);
       RankContext ctx{r.rank,   i,        place_.world_size(), place_.nproc, place_.node_rank,
@@ -331,96 +328,30 @@ class Attempt {
     }
   }
 
-  // Rank output goes out as it comes, without waiting for a newline. A state a progress bar ends
-  // with '\r' (tqdm) is shown at once; a line still unfinished kStateInterval after its last
-  // piece came (tqdm's "\rstate") is shown then. Both go out with the prefix and end with '\r',
-  // so the next state overwrites them on a terminal; a line that is merely written in two pieces
-  // is shown once, whole. At most one state per kStateInterval reaches the console (the latest),
-  // and an unfinished line is kept up to kMaxPartial bytes, then goes out as a line of its own.
-  static constexpr size_t kMaxPartial = 64 * 1024;
-  static constexpr std::chrono::milliseconds kStateInterval{30};
-
+  // What the console shows of a rank's output: detail::RankOutput (shared with notebook_launch).
   void emit(Rank& r, Stream& s, bool is_err, const char* data, size_t len) {
     if (s.log) forkguard::detail::write_all(s.log.get(), data, len);
-    s.partial.append(data, len);
-    std::string_view buf(s.partial);
-    std::string_view latest;  // the last '\r'-ended state not followed by a line
-    size_t pos = 0;
-    for (;;) {
-      size_t end = buf.find_first_of("\r\n", pos);
-      if (end == std::string_view::npos) break;
-      if (buf[end] == '\n') {
-        line(r, is_err, buf.substr(pos, end - pos));
-        latest = {};
-        pos = end + 1;
-      } else if (end + 1 == buf.size()) {
-        break;  // a '\r' that may be the first half of "\r\n": decided by the next read
-      } else if (buf[end + 1] == '\n') {
-        line(r, is_err, buf.substr(pos, end - pos));
-        latest = {};
-        pos = end + 2;
-      } else {
-        const bool shown = pos == 0 && end == s.shown_len;  // the unfinished line shown already
-        if (end > pos && !shown) latest = buf.substr(pos, end - pos);
-        pos = end + 1;
-      }
-    }
-    std::string_view pending = buf.substr(pos);
-    if (!pending.empty() && pending.back() == '\r') pending.remove_suffix(1);
-    const auto now = Clock::now();
-    const auto not_before = s.shown_at + kStateInterval;
-    if (pending.size() > kMaxPartial) {
-      line(r, is_err, pending);
-      pos = buf.size();
-      s.show_at = {};
-    } else if (!pending.empty()) {
-      s.state.assign(pending);
-      s.state_unfinished = true;
-      s.show_at = std::max(now + kStateInterval, not_before);
-    } else if (!latest.empty()) {
-      s.state.assign(latest);
-      s.state_unfinished = false;
-      s.show_at = std::max(now, not_before);
-    } else if (pos > 0) {
-      s.show_at = {};  // a line went out after the last state
-    }
-    if (pos > 0) s.shown_len = 0;
-    s.partial.erase(0, pos);
+    std::string text;
+    s.output.feed(std::string_view(data, len), Clock::now(), text);
+    show(r, is_err, text);
   }
 
-  // Shows the states that are due by `now`; `next` is the earliest of those not yet due.
+  void show(const Rank& r, bool is_err, const std::string& text) {
+    if (r.console && !text.empty()) {
+      forkguard::detail::write_all(is_err ? 2 : 1, text.data(), text.size());
+    }
+  }
+
+  // Shows the '\r' states that are due by `now`; `next` is the earliest of those not yet due.
   void show_due(Clock::time_point now, Clock::time_point& next) {
     for (auto& r : ranks_) {
       for (auto [s, is_err] : {std::pair{&r.out, false}, std::pair{&r.err, true}}) {
-        if (s->show_at == Clock::time_point{}) continue;
-        if (s->show_at > now) {
-          if (next == Clock::time_point{} || s->show_at < next) next = s->show_at;
-          continue;
-        }
-        show_state(r, is_err, s->state);
-        s->shown_len = s->state_unfinished ? s->state.size() : 0;
-        s->shown_at = now;
-        s->show_at = {};
+        std::string text;
+        auto due = s->output.show_due(now, text);
+        show(r, is_err, text);
+        if (due != Clock::time_point{} && (next == Clock::time_point{} || due < next)) next = due;
       }
     }
-  }
-
-  void show_state(const Rank& r, bool is_err, std::string_view text) {
-    if (!r.console) return;
-    std::string out =
-        o_.log.prefix ? fmt::format("[rank{}]:{}\r", r.rank, text) : std::string(text) + "\r";
-    forkguard::detail::write_all(is_err ? 2 : 1, out.data(), out.size());
-  }
-
-  void line(Rank& r, bool is_err, std::string_view text) {
-    if (is_err) {
-      r.tail.emplace_back(text);
-      while (r.tail.size() > o_.log.stderr_tail_lines) r.tail.pop_front();
-    }
-    if (!r.console) return;
-    std::string out =
-        o_.log.prefix ? fmt::format("[rank{}]:{}\n", r.rank, text) : std::string(text) + "\n";
-    forkguard::detail::write_all(is_err ? 2 : 1, out.data(), out.size());
   }
 
   // Reads what is there: true when data came, false at EOF (stream closed) or when a
@@ -439,15 +370,9 @@ class Attempt {
 
   // The unterminated last line counts as a line; then the pipe is closed.
   void close_stream(Rank& r, Stream& s, bool is_err) {
-    std::string_view rest(s.partial);
-    if (!rest.empty() && rest.back() == '\r') rest.remove_suffix(1);
-    if (!rest.empty()) {
-      line(r, is_err, rest);
-    } else if (s.show_at != Clock::time_point{} && !s.state.empty()) {
-      line(r, is_err, s.state);  // the last '\r' state, not shown yet
-    }
-    s.show_at = {};
-    s.partial.clear();
+    std::string text;
+    s.output.close(text);
+    show(r, is_err, text);
     s.fd.reset();
   }
 

@@ -71,6 +71,6 @@ def test_notebook(fake_cuda_env, tmp_path, monkeypatch):
     c1, c2, c3 = (cell_text(c) for c in nb.cells)
     assert "notebook cuInit: 0" in c1 and "probe: initialized" in c1
     assert "cuInit returned 3" in c2
-    assert "[rank0]: rank 0 of 2: cuInit = 0" in c3
-    assert "[rank1]: rank 1 of 2: cuInit = 0" in c3
+    assert "[rank0]:rank 0 of 2: cuInit = 0" in c3
+    assert "[rank1]:rank 1 of 2: cuInit = 0" in c3
     assert "results: [0, 0]" in c3

@@ -46,7 +46,7 @@ def test_ranks_get_torchrun_env_and_prefixed_output(capfd):
     assert res[0]["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", "1")
     out = capfd.readouterr().out
     for r in range(3):
-        assert f"[rank{r}]: hello from {r}" in out
+        assert f"[rank{r}]:hello from {r}" in out
     assert server_children() == []
 
 
@@ -170,3 +170,65 @@ def test_a_return_value_cut_short_is_a_rank_error():
     assert "rank 0 failed: TruncatedResult: rank 0's return value arrived incomplete (5000 " \
         "bytes)" in msg, msg
     assert server_children() == []
+
+
+class _Recorder:
+    """Stands in for sys.stdout: what was written, and when (CLOCK_MONOTONIC, as the ranks')."""
+
+    def __init__(self):
+        self.writes = []
+
+    def write(self, text):
+        self.writes.append((time.monotonic_ns(), text))
+        return len(text)
+
+    def flush(self):
+        pass
+
+    def text(self):
+        return "".join(t for _, t in self.writes)
+
+
+def progress_bar(states, pause):
+    import sys
+    for i in range(states):
+        sys.stdout.write("\rstep %d t=%d" % (i, time.monotonic_ns()))
+        sys.stdout.flush()
+        time.sleep(pause)
+    sys.stdout.write("\rdone\n")
+
+
+def test_carriage_return_progress_is_shown_as_it_comes(monkeypatch):
+    rec = _Recorder()
+    monkeypatch.setattr("sys.stdout", rec)
+    forkguard.notebook_launch(progress_bar, nproc=1, args=(3, 0.5))
+    latencies = []
+    for i in range(3):
+        at, text = next((at, t) for at, t in rec.writes if f"[rank0]:step {i} t=" in t)
+        assert text.count(f"step {i} t=") == 1 and text.endswith("\r"), text
+        latencies.append((at - int(text.split("t=")[1].rstrip("\r"))) / 1e6)
+    assert rec.text().endswith("[rank0]:done\n"), rec.text()[-200:]
+    # Shown before the rank's next write (0.5 s later), and within 100 ms (the best of three).
+    assert max(latencies) < 450 and min(latencies) < 100, latencies
+
+
+def many_updates(n):
+    import sys
+    w = sys.stdout.write
+    for i in range(n):
+        w("\r%8d |##########| it/s" % i)
+    w("\n")
+
+
+def test_millions_of_carriage_return_updates_keep_memory_flat(monkeypatch):
+    import resource
+    rec = _Recorder()
+    monkeypatch.setattr("sys.stdout", rec)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.monotonic()
+    forkguard.notebook_launch(many_updates, nproc=1, args=(3_000_000,))
+    took = time.monotonic() - start
+    grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert rec.text().endswith("[rank0]:%8d |##########| it/s\n" % 2_999_999)
+    assert len(rec.text()) < 1 << 20, "at most one state per 30 ms is shown"
+    assert grew < 16 << 10, f"peak RSS grew by {grew} kB over 3 million updates ({took:.1f} s)"
