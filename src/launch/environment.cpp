@@ -88,7 +88,8 @@ void require_master_for_mpi(const Placement& p, const EnvMap& env) {
   throw PlacementError(fmt::format(
       "started by {} as node {} of {} ({}={}, {}={}), possibly on several hosts, and no master "
       "address is given: every node would rendezvous at its own 127.0.0.1. Give the host of node "
-      "rank 0: --master-addr HOST (or MASTER_ADDR=HOST, e.g. mpirun -x MASTER_ADDR=HOST ...)",
+      "rank 0: nodes.master_addr = HOST (or MASTER_ADDR=HOST, e.g. mpirun -x MASTER_ADDR=HOST "
+      "...)",
       p.source == "open mpi" ? "mpirun (Open MPI)" : "a PMI launcher", p.node_rank, p.nnodes, size,
       p.nnodes, local, local_size ? std::to_string(*local_size) : std::string("unset")));
 }
@@ -147,7 +148,7 @@ Placement resolve_placement(const NodeOptions& nodes, int nproc, const EnvMap& e
 
   if (!nodes.master_addr.empty()) {
     p.master_addr = nodes.master_addr;
-    p.master_addr_from = "--master-addr";
+    p.master_addr_from = "nodes.master_addr";
   } else if (const auto* addr = str_var(env, "MASTER_ADDR")) {
     p.master_addr = *addr;
     p.master_addr_from = "MASTER_ADDR";
@@ -169,14 +170,14 @@ Placement resolve_placement(const NodeOptions& nodes, int nproc, const EnvMap& e
 
   if (nodes.standalone) {
     if (p.nnodes != 1) {
-      throw PlacementError("--standalone is for a single node, but nnodes is " +
+      throw PlacementError("nodes.standalone is for a single node, but nnodes is " +
                            std::to_string(p.nnodes));
     }
     p.master_port = nodes.master_port.value_or(free_loopback_port());
-    p.master_port_from = nodes.master_port ? "--master-port" : "a free port (--standalone)";
+    p.master_port_from = nodes.master_port ? "nodes.master_port" : "a free port (nodes.standalone)";
   } else if (nodes.master_port) {
     p.master_port = *nodes.master_port;
-    p.master_port_from = "--master-port";
+    p.master_port_from = "nodes.master_port";
   } else if (auto port = int_var(env, "MASTER_PORT")) {
     p.master_port = *port;
     p.master_port_from = "MASTER_PORT";
@@ -207,7 +208,7 @@ void check_master_addr(const Placement& place) {
   }
   throw PlacementError(fmt::format(
       "the master address \"{}\" (from {}) does not resolve: {}. Every rank would fail to "
-      "rendezvous there; give a host that resolves on every node: --master-addr HOST or "
+      "rendezvous there; give a host that resolves on every node: nodes.master_addr = HOST or "
       "MASTER_ADDR=HOST",
       place.master_addr, place.master_addr_from,
       rc == EAI_SYSTEM ? std::strerror(errno) : ::gai_strerror(rc)));

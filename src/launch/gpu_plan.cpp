@@ -42,12 +42,12 @@ GpuPlan plan_gpus(const GpuPlanOptions& options, int nproc, const cuda::GpuInven
   plan.rank_visible_devices.resize(static_cast<size_t>(nproc));
   if (!options.bind) return plan;
   if (plan.visible == 0) {
-    throw GpuPlanError(fmt::format("--bind-gpus: no GPU is visible: {}", plan.description));
+    throw GpuPlanError(fmt::format("gpus.bind: no GPU is visible: {}", plan.description));
   }
   if (nproc > plan.visible && !options.allow_sharing) {
     throw GpuPlanError(fmt::format(
-        "--bind-gpus with {} ranks per node needs {} GPUs, but only {} {} visible ({} from {}; "
-        "CUDA_VISIBLE_DEVICES{}). Use fewer ranks, or --allow-gpu-sharing to share GPUs "
+        "gpus.bind with {} ranks per node needs {} GPUs, but only {} {} visible ({} from {}; "
+        "CUDA_VISIBLE_DEVICES{}). Use fewer ranks, or gpus.allow_sharing to share GPUs "
         "round-robin.",
         nproc, nproc, plan.visible, plan.visible == 1 ? "is" : "are", inventory.gpus.size(),
         inventory.source, visible.set ? "=\"" + visible.value + "\"" : std::string(" unset")));

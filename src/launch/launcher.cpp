@@ -529,7 +529,16 @@ class Attempt {
   Clock::time_point kill_at_;
 };
 
-Result supervise(const Options& o, const Job& job) {
+Result supervise(const Options& options, const Job& job) {
+  Options o = options;
+  if (o.nproc_per_gpu) {
+    auto inventory = cuda::discover_gpus();
+    o.nproc = count_visible_gpus(inventory, cuda::visible_devices_from_env());
+    if (o.nproc == 0) {
+      throw GpuPlanError(fmt::format("nproc_per_gpu, but no GPU is visible ({} GPUs from {})",
+                                     inventory.gpus.size(), inventory.source));
+    }
+  }
   if (o.nproc < 1) throw Error(fmt::format("nproc must be at least 1, not {}", o.nproc));
   if (job.is_entry()) {
     if (find_entry(job.entry) == nullptr) {

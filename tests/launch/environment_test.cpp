@@ -211,7 +211,7 @@ TEST(Placement, MultiHostMpiWithoutAMasterIsAnErrorNotLocalhost) {
                      "OMPI_COMM_WORLD_LOCAL_SIZE=2)"),
             std::string::npos)
       << msg;
-  EXPECT_NE(msg.find("--master-addr HOST"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("nodes.master_addr = HOST"), std::string::npos) << msg;
   EXPECT_NE(placement_error({}, {{"PMI_SIZE", "2"}, {"PMI_RANK", "0"}}).find("a PMI launcher"),
             std::string::npos);
   fl::NodeOptions n;

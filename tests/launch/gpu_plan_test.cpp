@@ -39,7 +39,7 @@ TEST(GpuPlan, MoreRanksThanGpusIsAnErrorNamingBothNumbersAndTheVariable) {
               std::string::npos)
         << what;
     EXPECT_NE(what.find("CUDA_VISIBLE_DEVICES=\"1,0\""), std::string::npos) << what;
-    EXPECT_NE(what.find("--allow-gpu-sharing"), std::string::npos) << what;
+    EXPECT_NE(what.find("gpus.allow_sharing"), std::string::npos) << what;
   }
 }
 

@@ -104,6 +104,13 @@ TEST_F(RunCli, NprocGpuGivesOneRankPerVisibleGpu) {
   auto one = run(
       {"--nproc-per-node", "gpu", "--bind-gpus", "--", "sh", "-c", "echo $CUDA_VISIBLE_DEVICES"});
   EXPECT_EQ(one.out, "[rank0]:1\n") << one.out << one.err;
+  // Resolved by the library (Options::nproc_per_gpu); the CLI names its flag.
+  env_["CUDA_VISIBLE_DEVICES"] = "";
+  auto none = run({"--nproc-per-node", "gpu", "--", "true"});
+  EXPECT_EQ(none.exit_code, 2) << none.err;
+  EXPECT_NE(none.err.find("--nproc-per-node gpu, but no GPU is visible (2 GPUs from"),
+            std::string::npos)
+      << none.err;
 }
 
 TEST_F(RunCli, RanksSeeOnlyTheirGpuThroughTheDriver) {
@@ -260,6 +267,22 @@ TEST_F(RunCli, OutOfRangeFlagsAreUsageErrorsNamingTheFlag) {
     struct stat st {};
     EXPECT_NE(::stat(marker.c_str(), &st), 0) << "no rank may start";
   }
+}
+
+TEST_F(RunCli, PlacementErrorsNameTheFlagsNotTheLibrarysFields) {
+  // The library says nodes.master_addr; the CLI says --master-addr.
+  auto r = run(
+      {"--nnodes", "2", "--node-rank", "0", "--master-addr", "no-such-host.invalid", "--", "true"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("the master address \"no-such-host.invalid\" (from --master-addr) does "
+                       "not resolve"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("nodes."), std::string::npos) << r.err;
+  r = run({"--nproc-per-node", "2", "--nnodes", "2", "--standalone", "--", "true"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--standalone is for a single node, but nnodes is 2"), std::string::npos)
+      << r.err;
 }
 
 TEST_F(RunCli, AReportThatCannotBeWrittenIsAnError) {

@@ -132,6 +132,22 @@ std::optional<std::chrono::milliseconds> seconds_flag(const char* flag, double v
   return std::chrono::milliseconds(static_cast<long>(v * 1000));
 }
 
+// The library names options by their API names (launch::Options fields); here they are flags.
+std::string in_flags(std::string message) {
+  static const std::pair<const char*, const char*> kFlags[] = {
+      {"nodes.master_addr = ", "--master-addr "},    {"nodes.master_addr", "--master-addr"},
+      {"nodes.master_port", "--master-port"},        {"nodes.standalone", "--standalone"},
+      {"gpus.allow_sharing", "--allow-gpu-sharing"}, {"gpus.bind", "--bind-gpus"},
+      {"nproc_per_gpu", "--nproc-per-node gpu"}};
+  for (const auto& [api, flag] : kFlags) {
+    for (size_t at = message.find(api); at != std::string::npos;
+         at = message.find(api, at + std::strlen(flag))) {
+      message.replace(at, std::strlen(api), flag);
+    }
+  }
+  return message;
+}
+
 int run(int argc, char** argv, const RunFlags& f) {
   namespace fl = forkguard::launch;
   fl::Options o;
@@ -144,14 +160,7 @@ int run(int argc, char** argv, const RunFlags& f) {
   }
   o.start = *method;
   if (f.nproc == "gpu") {
-    auto inv = forkguard::cuda::discover_gpus();
-    o.nproc = fl::count_visible_gpus(inv, forkguard::cuda::visible_devices_from_env());
-    if (o.nproc == 0) {
-      fmt::print(stderr,
-                 "forkguard run: --nproc-per-node gpu, but no GPU is visible ({} GPUs from {})\n",
-                 inv.gpus.size(), inv.source);
-      return 2;
-    }
+    o.nproc_per_gpu = true;
   } else {
     char* end = nullptr;
     long n = std::strtol(f.nproc.c_str(), &end, 10);
@@ -175,7 +184,7 @@ int run(int argc, char** argv, const RunFlags& f) {
       pos = comma + 1;
       char* end = nullptr;
       long r = std::strtol(item.c_str(), &end, 10);
-      if (item.empty() || *end != '\0' || r < 0 || r >= o.nproc) {
+      if (item.empty() || *end != '\0' || r < 0 || (!o.nproc_per_gpu && r >= o.nproc)) {
         fmt::print(stderr,
                    "forkguard run: --local-ranks-filter takes local ranks from 0 to {} separated "
                    "by commas; \"{}\" is not one\n",
@@ -206,10 +215,10 @@ int run(int argc, char** argv, const RunFlags& f) {
     write_report(f.json_report, e.result());
     return e.result().exit_code();
   } catch (const fl::GpuPlanError& e) {
-    fmt::print(stderr, "forkguard run: {}\n", e.what());
+    fmt::print(stderr, "forkguard run: {}\n", in_flags(e.what()));
     return 2;
   } catch (const fl::PlacementError& e) {
-    fmt::print(stderr, "forkguard run: {}\n", e.what());
+    fmt::print(stderr, "forkguard run: {}\n", in_flags(e.what()));
     return 2;
   } catch (const fl::SpawnError& e) {
     fmt::print(stderr, "forkguard run: {}\n", e.what());

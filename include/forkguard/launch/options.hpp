@@ -55,7 +55,8 @@ struct NodeOptions {
 };
 
 struct Options {
-  int nproc = 1;                                       // ranks on this node
+  int nproc = 1;               // ranks on this node
+  bool nproc_per_gpu = false;  // instead: one rank per visible GPU (NVML or /proc, never CUDA)
   StartMethod start = StartMethod::kAuto;              // how ranks are started
   DirtyParent dirty_parent = DirtyParent::kRefuse;     // kFork in a dirty process
   GpuPlanOptions gpus{};                               // GPU assignment
