@@ -540,6 +540,12 @@ Result supervise(const Options& options, const Job& job) {
     }
   }
   if (o.nproc < 1) throw Error(fmt::format("nproc must be at least 1, not {}", o.nproc));
+  for (int r : o.log.console_ranks) {
+    if (r < 0 || r >= o.nproc) {
+      throw PlacementError(
+          fmt::format("log.console_ranks: {} is not a local rank (0 to {})", r, o.nproc - 1));
+    }
+  }
   if (job.is_entry()) {
     if (find_entry(job.entry) == nullptr) {
       throw Error(fmt::format("no entry function named \"{}\" (registered: {})", job.entry,

@@ -105,6 +105,11 @@ TEST_F(RunCli, NprocGpuGivesOneRankPerVisibleGpu) {
       {"--nproc-per-node", "gpu", "--bind-gpus", "--", "sh", "-c", "echo $CUDA_VISIBLE_DEVICES"});
   EXPECT_EQ(one.out, "[rank0]:1\n") << one.out << one.err;
   // Resolved by the library (Options::nproc_per_gpu); the CLI names its flag.
+  auto filtered = run({"--nproc-per-node", "gpu", "--local-ranks-filter", "2", "--", "true"});
+  EXPECT_EQ(filtered.exit_code, 2) << filtered.err;
+  EXPECT_NE(filtered.err.find("--local-ranks-filter: 2 is not a local rank (0 to 0)"),
+            std::string::npos)
+      << filtered.err;
   env_["CUDA_VISIBLE_DEVICES"] = "";
   auto none = run({"--nproc-per-node", "gpu", "--", "true"});
   EXPECT_EQ(none.exit_code, 2) << none.err;

@@ -138,7 +138,7 @@ std::string in_flags(std::string message) {
       {"nodes.master_addr = ", "--master-addr "},    {"nodes.master_addr", "--master-addr"},
       {"nodes.master_port", "--master-port"},        {"nodes.standalone", "--standalone"},
       {"gpus.allow_sharing", "--allow-gpu-sharing"}, {"gpus.bind", "--bind-gpus"},
-      {"nproc_per_gpu", "--nproc-per-node gpu"}};
+      {"nproc_per_gpu", "--nproc-per-node gpu"},     {"log.console_ranks", "--local-ranks-filter"}};
   for (const auto& [api, flag] : kFlags) {
     for (size_t at = message.find(api); at != std::string::npos;
          at = message.find(api, at + std::strlen(flag))) {
