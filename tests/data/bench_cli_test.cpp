@@ -207,6 +207,29 @@ TEST(BenchCli, NegativeAndAbsurdWorkerCountsAreUsageErrors) {
   }
 }
 
+TEST(BenchCli, OtherCountsAreUsageErrorsWithAShortMessage) {
+  // CLI11's own range check printed the whole double range (308 digits) for "abc".
+  struct Case {
+    const char* flag;
+    const char* value;
+    const char* says;
+  };
+  for (const auto& c :
+       {Case{"--batch-size", "abc", "--batch-size is a whole number from 1 to 65536"},
+        Case{"--batch-size", "0", "--batch-size is a whole number from 1 to 65536"},
+        Case{"--epochs", "-1", "--epochs is a whole number from 1 to 1000000"},
+        Case{"--fresh-loaders", "1e9", "--fresh-loaders is a whole number"}}) {
+    auto r = ft::run({ft::kForkguard, "bench", "loader", "--data", "/nowhere", c.flag, c.value});
+    EXPECT_EQ(r.exit_code, 2) << c.flag << " " << c.value << ": " << r.err;
+    EXPECT_NE(r.err.find(c.says), std::string::npos) << r.err;
+    EXPECT_LT(r.err.size(), 300u) << r.err;
+  }
+  auto r = ft::run({ft::kForkguard, "run", "--max-restarts", "-2", "--", "true"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--max-restarts is a whole number from 0 to 1000"), std::string::npos)
+      << r.err;
+}
+
 // `bench decode` reads every file in the main thread: a FIFO or a symlink loop among them is named,
 // not a hang or an abort (exit 134).
 TEST(BenchDecodeCli, FifosAndSymlinkLoopsAreNamed) {

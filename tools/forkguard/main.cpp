@@ -34,16 +34,20 @@
 
 namespace {
 
-// CLI11's PositiveNumber on an int refused "abc" with the whole double range ("not in range 0 to
-// 1.79769e+308" spelled out: 308 digits).
-const CLI::Validator kPidValidator(
-    [](std::string& s) -> std::string {
-      int v = 0;
-      auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-      if (ec == std::errc() && end == s.data() + s.size() && v > 0) return {};
-      return fmt::format("a PID is a whole number from 1 to {}, not \"{}\"", INT_MAX, s);
-    },
-    "PID");
+// A whole number from lo to hi, said in a short message. CLI11's PositiveNumber/NonNegativeNumber
+// refused "abc" with the whole double range ("not in range 0 to 1.79769e+308" spelled out: 308
+// digits).
+CLI::Validator whole_number(const char* what, long lo, long hi) {
+  return CLI::Validator(
+      [what, lo, hi](std::string& s) -> std::string {
+        long v = 0;
+        auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+        if (ec == std::errc() && end == s.data() + s.size() && v >= lo && v <= hi) return {};
+        return fmt::format("{} is a whole number from {} to {}, not \"{}\"", what, lo, hi, s);
+      },
+      fmt::format("{}..{}", lo, hi));
+}
+const CLI::Validator kPidValidator = whole_number("a PID", 1, INT_MAX);
 
 // With --json, a failure is a JSON object on stdout too (a reader parses stdout whatever
 // happened), beside the message on stderr.
@@ -396,7 +400,7 @@ int main(int argc, char** argv) {
   runc->add_flag("--standalone", rf.standalone, "Single node: pick a free port on loopback");
   runc->add_option("--max-restarts,--max_restarts", rf.max_restarts,
                    "Restart the whole group this many times after a failure")
-      ->check(CLI::NonNegativeNumber);
+      ->check(whole_number("--max-restarts", 0, 1000));
   runc->add_option("--log-dir,--log_dir", rf.log_dir,
                    "Write DIR/attempt_N/rankR/{stdout,stderr}.log for every rank");
   runc->add_option("--tee", rf.tee,
@@ -441,8 +445,12 @@ int main(int argc, char** argv) {
   bl->add_option("--worker-kind", bf.worker_kind, "thread | process")
       ->check(CLI::IsMember({"thread", "process"}))
       ->capture_default_str();
-  bl->add_option("--batch-size", bf.batch_size)->capture_default_str()->check(CLI::PositiveNumber);
-  bl->add_option("--epochs", bf.epochs)->capture_default_str()->check(CLI::PositiveNumber);
+  bl->add_option("--batch-size", bf.batch_size)
+      ->capture_default_str()
+      ->check(whole_number("--batch-size", 1, 65536));
+  bl->add_option("--epochs", bf.epochs)
+      ->capture_default_str()
+      ->check(whole_number("--epochs", 1, 1'000'000));
   bl->add_option("--dtype", bf.dtype, "float32 | uint8")
       ->check(CLI::IsMember({"float32", "uint8"}))
       ->capture_default_str();
@@ -453,7 +461,7 @@ int main(int argc, char** argv) {
                  "After the epochs, build this many fresh loaders one after another and time "
                  "each one's first batch (new workers and slots, on running cores)")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(whole_number("--fresh-loaders", 0, 1000));
   bl->add_flag("--digest", bf.digest,
                "Print a hash of every batch in delivery order (the same for any number or kind "
                "of workers)");
