@@ -15,6 +15,7 @@
 #include <deque>
 #include <filesystem>
 
+#include "detail/signal_capture.hpp"
 #include "forkguard/cuda/nvml.hpp"
 #include "forkguard/cuda/visible_devices.hpp"
 #include "forkguard/doctor/report.hpp"
@@ -109,37 +110,9 @@ struct Rank {
   Stream out, err;
   UniqueFd exec_check;  // until the exec is known to have happened
   std::string exec_path;
-  bool forgotten = false;  // its group is gone and the watchdog no longer guards it
 };
 
-// Blocks SIGINT/SIGTERM/SIGHUP for the launch and reads them from a signalfd.
-class SignalCapture {
- public:
-  SignalCapture() {
-    sigset_t set;
-    sigemptyset(&set);
-    for (int s : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&set, s);
-    ::pthread_sigmask(SIG_BLOCK, &set, &old_);
-    fd_.reset(::signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK));
-    if (!fd_) throw SystemError("signalfd", errno);
-  }
-  ~SignalCapture() {
-    fd_.reset();
-    ::pthread_sigmask(SIG_SETMASK, &old_, nullptr);
-  }
-  int fd() const { return fd_.get(); }
-  int take() {
-    signalfd_siginfo info;
-    int sig = 0;
-    while (::read(fd_.get(), &info, sizeof info) == sizeof info)
-      sig = static_cast<int>(info.ssi_signo);
-    return sig;
-  }
-
- private:
-  UniqueFd fd_;
-  sigset_t old_;
-};
+using forkguard::detail::SignalCapture;
 
 void signal_group(const Rank& r, int sig) {
   if (r.pid <= 0) return;
@@ -176,8 +149,9 @@ class Attempt {
     for (auto& r : ranks_) {
       if (r.running && !r.via_server) ::waitpid(r.pid, nullptr, 0);
     }
+    // Their groups are gone (killed here or in finish()): the watchdog no longer guards them.
     for (auto& r : ranks_) {
-      if (r.pid > 0 && !r.forgotten) guard_.forget(r.pid);
+      if (r.pid > 0) guard_.forget(r.pid);
     }
   }
 
@@ -458,7 +432,8 @@ class Attempt {
           case 1: read_stream(*r, r->out, false); break;
           case 2: read_stream(*r, r->err, true); break;
           case 3: {
-            int sig = signals_.take();
+            int sig = 0;  // the last one: each is forwarded the same way
+            signals_.each([&](const signalfd_siginfo& i) { sig = static_cast<int>(i.ssi_signo); });
             if (sig != 0) {
               interrupted_by_ = sig;
               if (!stopping_) {
@@ -493,11 +468,7 @@ class Attempt {
     // By group id only: the rank itself is reaped, so its PID may already belong to another
     // process, but a group id is not reused while any member of the group lives.
     for (auto& r : ranks_) {
-      if (r.pid > 0) {
-        ::kill(-r.pid, SIGKILL);
-        guard_.forget(r.pid);
-        r.forgotten = true;
-      }
+      if (r.pid > 0) ::kill(-r.pid, SIGKILL);
     }
     for (auto& r : ranks_) {
       for (int is_err = 0; is_err < 2; ++is_err) {
@@ -580,7 +551,7 @@ Result supervise(const Options& options, const Job& job) {
   }
   std::fflush(nullptr);     // what the caller printed comes before what the ranks print
   detail::TreeGuard guard;  // before the signals are captured: it keeps the default mask
-  SignalCapture signals;
+  SignalCapture signals({SIGINT, SIGTERM, SIGHUP});
   Result result;
   for (int restart = 0;; ++restart) {
     Attempt attempt(o, job, place, gpus, method, restart, signals, guard);

@@ -16,6 +16,7 @@
 #include <set>
 #include <sstream>
 
+#include "detail/signal_capture.hpp"
 #include "forkguard/trace/trace.hpp"
 #include "launch/child.hpp"
 
@@ -84,52 +85,31 @@ std::vector<std::string> traced_environment(const std::string& library, const st
   return env;
 }
 
-// While the command runs, the signals that would end us are for it: blocked here and read from a
-// signalfd. ^C, ^\\ and a hangup from the terminal already reach it (it is in our process group),
-// so those sent by the kernel are not sent again; one sent to us by a process (kill PID, a
-// supervisor's SIGTERM) is passed on, so the program can stop and we remove our temporary file
-// after it instead of dying with it still running.
-class ForwardSignals {
- public:
-  ForwardSignals() {
-    sigset_t set;
-    sigemptyset(&set);
-    for (int sig : {SIGINT, SIGQUIT, SIGTERM, SIGHUP}) sigaddset(&set, sig);
-    ::sigprocmask(SIG_BLOCK, &set, &saved_);
-    fd_.reset(::signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK));
-    if (!fd_) throw TraceError(std::string("signalfd: ") + std::strerror(errno), 2);
-  }
-  ~ForwardSignals() {
-    // What arrived while the program ran is dealt with: drop it rather than act on it now.
-    signalfd_siginfo info;
-    while (::read(fd_.get(), &info, sizeof info) == sizeof info) {
-    }
-    ::sigprocmask(SIG_SETMASK, &saved_, nullptr);
-  }
-  ForwardSignals(const ForwardSignals&) = delete;
-  ForwardSignals& operator=(const ForwardSignals&) = delete;
-
-  const sigset_t& saved_mask() const { return saved_; }
-  int fd() const { return fd_.get(); }
-  void forward_to(pid_t pid) {
-    signalfd_siginfo info;
-    while (::read(fd_.get(), &info, sizeof info) == sizeof info) {
-      if (info.ssi_code == SI_USER || info.ssi_code == SI_QUEUE) {
-        ::kill(pid, static_cast<int>(info.ssi_signo));
-      }
-    }
-  }
-
- private:
-  sigset_t saved_{};
-  forkguard::detail::UniqueFd fd_;
-};
-
 int spawn_and_wait(const std::vector<std::string>& command, std::vector<std::string> env) {
   auto args = command;
   auto cargs = launch::detail::c_array(args);
   auto cenv = launch::detail::c_array(env);
-  ForwardSignals signals;
+  // While the command runs, the signals that would end us are for it: blocked here and read from
+  // a signalfd. ^C, ^\ and a hangup from the terminal already reach it (it is in our process
+  // group), so those sent by the kernel are not sent again; one sent to us by a process (kill
+  // PID, a supervisor's SIGTERM) is passed on, so the program can stop and we remove our
+  // temporary file after it instead of dying with it still running.
+  forkguard::detail::SignalCapture signals({SIGINT, SIGQUIT, SIGTERM, SIGHUP});
+  // However this ends, what arrived while the program ran has been dealt with: dropped rather
+  // than acted on when the mask comes back.
+  struct Drop {
+    forkguard::detail::SignalCapture& signals;
+    ~Drop() {
+      signals.each([](const signalfd_siginfo&) {});
+    }
+  } drop{signals};
+  auto forward = [&](pid_t to) {
+    signals.each([to](const signalfd_siginfo& info) {
+      if (info.ssi_code == SI_USER || info.ssi_code == SI_QUEUE) {
+        ::kill(to, static_cast<int>(info.ssi_signo));
+      }
+    });
+  };
   // The child gets our signal mask from before, not the blocked set.
   posix_spawnattr_t attr;
   posix_spawnattr_init(&attr);
@@ -148,7 +128,7 @@ int spawn_and_wait(const std::vector<std::string>& command, std::vector<std::str
     if (::poll(fds, 2, -1) < 0 && errno != EINTR) {
       throw TraceError(std::string("poll: ") + std::strerror(errno), 2);
     }
-    if (fds[1].revents != 0) signals.forward_to(pid);
+    if (fds[1].revents != 0) forward(pid);
     if (fds[0].revents != 0) break;
   }
   int status = 0;
