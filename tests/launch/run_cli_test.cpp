@@ -257,11 +257,16 @@ TEST_F(RunCli, OutOfRangeFlagsAreUsageErrorsNamingTheFlag) {
            {{"--timeout", "-1"}, "--timeout must be a number of seconds"},
            {{"--grace", "inf"}, "--grace must be a number of seconds"},
            {{"--grace", "-0.5"}, "--grace must be a number of seconds"},
-           {{"--master-port", "70000"}, "--master-port must be a TCP port from 1 to 65535"},
-           {{"--master-port", "0"}, "--master-port must be a TCP port from 1 to 65535"},
+           {{"--master-port", "70000"},
+            "master port 70000 (from --master-port) is not a TCP port (1-65535)"},
+           {{"--master-port", "0"}, "master port 0 (from --master-port) is not a TCP port"},
            {{"--nproc-per-node", "2", "--local-ranks-filter", "abc"},
-            "--local-ranks-filter takes local ranks from 0 to 1 separated by commas; \"abc\""},
-           {{"--nproc-per-node", "2", "--local-ranks-filter", "0,2"}, "\"2\" is not one"},
+            "--local-ranks-filter takes local ranks (whole numbers from 0) separated by commas; "
+            "\"abc\" is not one"},
+           {{"--nproc-per-node", "2", "--local-ranks-filter", "0,2"},
+            "--local-ranks-filter: 2 is not a local rank (0 to 1)"},
+           {{"--nproc-per-node", "2", "--local-ranks-filter", "99999999999"},
+            "\"99999999999\" is not one"},
            {{"--nproc-per-node", "2", "--local-ranks-filter", "0,"}, "\"\" is not one"},
        }) {
     std::string marker = dir_.path() + "/started";

@@ -181,21 +181,23 @@ int run(int argc, char** argv, const RunFlags& f) {
   o.max_restarts = f.max_restarts;
   o.log.log_dir = f.log_dir;
   o.log.prefix = !f.no_prefix;
+  // Syntax here; which local ranks exist is the library's check (log.console_ranks), so that
+  // --nproc-per-node gpu is bounded the same way once the GPUs are counted.
   if (!f.ranks_filter.empty()) {
     for (size_t pos = 0; pos <= f.ranks_filter.size();) {
       size_t comma = std::min(f.ranks_filter.find(',', pos), f.ranks_filter.size());
       std::string item = f.ranks_filter.substr(pos, comma - pos);
       pos = comma + 1;
-      char* end = nullptr;
-      long r = std::strtol(item.c_str(), &end, 10);
-      if (item.empty() || *end != '\0' || r < 0 || (!o.nproc_per_gpu && r >= o.nproc)) {
+      int r = -1;
+      auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), r);
+      if (item.empty() || ec != std::errc() || end != item.data() + item.size() || r < 0) {
         fmt::print(stderr,
-                   "forkguard run: --local-ranks-filter takes local ranks from 0 to {} separated "
-                   "by commas; \"{}\" is not one\n",
-                   o.nproc - 1, item);
+                   "forkguard run: --local-ranks-filter takes local ranks (whole numbers from 0) "
+                   "separated by commas; \"{}\" is not one\n",
+                   item);
         return 2;
       }
-      o.log.console_ranks.push_back(static_cast<int>(r));
+      o.log.console_ranks.push_back(r);
     }
   }
   o.gpus = {f.bind_gpus, f.allow_sharing};
@@ -204,11 +206,6 @@ int run(int argc, char** argv, const RunFlags& f) {
   if (!grace || !timeout) return 2;
   o.stop.grace = *grace;
   if (timeout->count() > 0) o.timeout = *timeout;
-  if (f.master_port && (*f.master_port < 1 || *f.master_port > 65535)) {
-    fmt::print(stderr, "forkguard run: --master-port must be a TCP port from 1 to 65535, not {}\n",
-               *f.master_port);
-    return 2;
-  }
   o.quiet = f.quiet;
   if (o.start == fl::StartMethod::kForkServer) forkguard::init(argc, argv);
   try {
@@ -221,7 +218,7 @@ int run(int argc, char** argv, const RunFlags& f) {
   } catch (const fl::GpuPlanError& e) {
     fmt::print(stderr, "forkguard run: {}\n", in_flags(e.what()));
     return 2;
-  } catch (const fl::PlacementError& e) {
+  } catch (const fl::PlacementError& e) {  // the port's range and the console ranks too
     fmt::print(stderr, "forkguard run: {}\n", in_flags(e.what()));
     return 2;
   } catch (const fl::SpawnError& e) {
