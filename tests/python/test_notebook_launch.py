@@ -1,6 +1,7 @@
 """forkguard.notebook_launch: torchrun's environment, [rankN] output, a rank's exception re-raised
 here with its traceback, Ctrl-C and failures stopping every rank, restarts, nothing left running,
 and 2 no-op ranks in under 100 ms once the fork server is up (torch preloaded)."""
+import json
 import os
 import signal
 import threading
@@ -106,6 +107,21 @@ def test_keyboard_interrupt_stops_every_rank():
     with pytest.raises(KeyboardInterrupt):
         forkguard.notebook_launch(sleeper, nproc=2)
     assert time.monotonic() - t0 < 10
+    assert server_children() == []
+
+
+def test_a_timeout_stops_every_rank_and_says_so():
+    def sleeper():
+        time.sleep(60)
+
+    t0 = time.monotonic()
+    with pytest.raises(forkguard.RankError) as info:
+        forkguard.notebook_launch(sleeper, nproc=2, timeout=0.5, grace=1.0)
+    assert time.monotonic() - t0 < 10
+    e = info.value
+    assert e.rank is None and str(e).startswith("timed out after 0.5 s"), str(e)
+    assert "timed out: every rank was stopped" in e.report
+    assert json.loads(e.json)["timed_out"] is True
     assert server_children() == []
 
 
