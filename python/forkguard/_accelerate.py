@@ -15,7 +15,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Dict, Optional, Sequence
 
-from ._launch import _visible_gpus, notebook_launch
+from ._launch import notebook_launch
+from ._native import visible_gpu_count
 
 # accelerate.utils.PrecisionType's values, in its order.
 _PRECISIONS = ["no", "fp8", "fp16", "bf16"]
@@ -48,8 +49,8 @@ def notebook_launcher(function: Callable[..., Any], args: Sequence[Any] = (),
                       log_line_prefix_template: Optional[str] = None) -> None:
     """Runs ``function(*args)`` in ``num_processes`` ranks, as ``accelerate.notebook_launcher``.
 
-    ``num_processes=None`` is one rank per visible GPU (CUDA_VISIBLE_DEVICES, else the driver's
-    /proc entries: counted without initializing CUDA), or one where there is none. One rank runs
+    ``num_processes=None`` is one rank per visible GPU (NVML or the driver's /proc entries,
+    CUDA_VISIBLE_DEVICES applied: counted without initializing CUDA), or one where there is none. One rank runs
     in this process, as accelerate does; more are forked from forkguard's clean interpreter, so
     CUDA use in the notebook before the call does not break them (accelerate refuses it). Each
     rank sees torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...)
@@ -79,11 +80,11 @@ def notebook_launcher(function: Callable[..., Any], args: Sequence[Any] = (),
                          "(lines are prefixed '[rankN]:', torchrun's default)")
     del rdzv_conf, rdzv_id, monitor_interval  # nothing to tune here: see the docstring
 
+    gpus = visible_gpu_count()
     if num_processes is None:
-        num_processes = max(1, len(_visible_gpus()))
+        num_processes = max(1, gpus)
     if num_processes < 1:
         raise ValueError(f"num_processes must be at least 1, not {num_processes}")
-    gpus = len(_visible_gpus())
     if num_processes == 1:
         # accelerate runs a single process here, in the notebook itself.
         print("Launching training on one GPU." if gpus else "Launching training on CPU.")

@@ -50,10 +50,23 @@ def test_a_static_rendezvous_endpoint_is_the_master(tmp_path):
     assert {e["MASTER_PORT"] for e in read_envs(tmp_path, 2)} == {str(port)}
 
 
-def test_num_processes_none_is_one_rank_per_visible_gpu(tmp_path, monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+def test_num_processes_none_is_one_rank_per_visible_gpu(fake_cuda, tmp_path, monkeypatch, capfd):
+    # The test driver's NVML shows 3 GPUs; counting them initializes nothing.
+    monkeypatch.setenv("FORKGUARD_NVML_LIBRARY",
+                       os.path.join(os.path.dirname(fake_cuda), "libnvidia-ml.so.1"))
+    monkeypatch.setenv("FAKE_CUDA_DEVICES", "3")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert forkguard._native.visible_gpu_count() == 3
     forkguard.notebook_launcher(write_env, args=(str(tmp_path),), use_port=str(free_port()))
-    assert [e["RANK"] for e in read_envs(tmp_path, 2)] == ["0", "1"]
+    assert [e["RANK"] for e in read_envs(tmp_path, 3)] == ["0", "1", "2"]
+    assert "Launching training on 3 GPUs." in capfd.readouterr().out
+    # One visible GPU: one process, this one, as accelerate does.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    seen = []
+    forkguard.notebook_launcher(lambda: seen.append(os.getpid()))
+    assert seen == [os.getpid()]
+    assert "Launching training on one GPU." in capfd.readouterr().out
+    assert forkguard.probe().fork_safe
 
 
 def test_one_process_runs_in_this_process_as_accelerate_does(capfd, monkeypatch):
