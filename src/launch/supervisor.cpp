@@ -79,7 +79,7 @@ class Attempt {
  public:
   Attempt(const Options& o, const Job& job, const Placement& place, const GpuPlan& gpus,
           StartMethod method, int restart, SignalCapture* signals,
-          const std::function<int()>& interrupted, OutputSink& sink, detail::TreeGuard& guard)
+          const std::function<int()>& interrupted, OutputSink& sink, detail::TreeGuard* guard)
       : o_(o),
         job_(job),
         place_(place),
@@ -101,7 +101,7 @@ class Attempt {
     }
     // Their groups are gone (killed here or in finish()): the watchdog no longer guards them.
     for (auto& r : ranks_) {
-      if (r.pid > 0) guard_.forget(r.pid);
+      if (r.pid > 0 && guard_ != nullptr) guard_->forget(r.pid);
     }
   }
 
@@ -186,7 +186,8 @@ class Attempt {
       r.exec_check = std::move(child.exec_check);
       r.exec_path = std::move(child.exec_path);
       r.running = true;
-      guard_.watch(r.pid);  // its own process group: what it starts dies with the launcher too
+      // Its own process group: what it starts dies with the launcher too.
+      if (guard_ != nullptr) guard_->watch(r.pid);
     }
     for (auto& r : ranks_) {
       if (!r.exec_check) continue;
@@ -415,7 +416,7 @@ class Attempt {
   SignalCapture* signals_;  // nullptr: interrupted_ instead
   const std::function<int()>& interrupted_;
   OutputSink& sink_;
-  detail::TreeGuard& guard_;
+  detail::TreeGuard* guard_;  // nullptr: the attached fork server guards its ranks
   std::vector<Rank> ranks_;
   int root_cause_ = -1;
   bool stopping_ = false;
@@ -491,14 +492,18 @@ Result supervise(const Options& options, const Job& job, const Supervision& how)
         "setting OMP_NUM_THREADS=1 for every rank (nproc > 1) so they do not overload the "
         "machine; set it yourself to tune");
   }
-  std::fflush(nullptr);     // what the caller printed comes before what the ranks print
-  detail::TreeGuard guard;  // before the signals are captured: it keeps the default mask
+  std::fflush(nullptr);  // what the caller printed comes before what the ranks print
+  // Before the signals are captured: it keeps the default mask. Not for the ranks of an attached
+  // fork server (notebook_launch's): it kills their groups itself when this process goes (EOF on
+  // its socket), and a watchdog would be one more fork of a large interpreter per launch.
+  std::optional<detail::TreeGuard> guard;
+  if (job.server == nullptr) guard.emplace();
   std::optional<SignalCapture> signals;
   if (!how.interrupted) signals.emplace(std::initializer_list<int>{SIGINT, SIGTERM, SIGHUP});
   Result result;
   for (int restart = 0;; ++restart) {
     Attempt attempt(o, job, place, gpus, method, restart, signals ? &*signals : nullptr,
-                    how.interrupted, sink, guard);
+                    how.interrupted, sink, guard ? &*guard : nullptr);
     result = attempt.run();
     result.restarts = restart;
     result.gpu_plan = gpus.description;
