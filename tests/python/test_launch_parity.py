@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -67,6 +68,7 @@ def test_a_notebook_rank_gets_the_environment_of_a_command_rank(cli, nproc):
 def exit_3_in_rank_1():
     if os.environ["RANK"] == "1":
         sys.exit(3)
+    time.sleep(60)  # stopped by the launcher (SIGTERM) when rank 1 fails
 
 
 def normalized_report(text):
@@ -84,7 +86,9 @@ def normalized_json(text):
 
 def test_the_same_failure_gives_the_same_report_text_and_json(cli, tmp_path):
     report = tmp_path / "report.json"
-    script = "import os, sys; sys.exit(3 if os.environ['RANK'] == '1' else 0)"
+    script = ("import os, sys, time\n"
+              "if os.environ['RANK'] == '1': sys.exit(3)\n"
+              "time.sleep(60)")
     cmd = subprocess.run(
         [cli, "run", "--quiet", "--nproc-per-node", "2", "--start-method", "forkserver",
          "--json-report", str(report), "--", sys.executable, "-c", script],
@@ -97,4 +101,5 @@ def test_the_same_failure_gives_the_same_report_text_and_json(cli, tmp_path):
     assert e.rank == 1 and e.exit_code == 3
     assert normalized_report(e.report) == normalized_report(command_report)
     assert e.report.startswith("rank 1 (local rank 1, PID ")
+    assert "killed by signal 15 (SIGTERM) (stopped by the launcher)" in e.report
     assert normalized_json(e.json) == normalized_json(report.read_text())
