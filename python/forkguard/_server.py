@@ -22,7 +22,8 @@
 # sys.path, stdout/stderr on the supervisor's pipes, the function loaded with cloudpickle from the
 # memfd; its outcome replaces the payload in the memfd: RESULT_MAGIC, the u64 length, then the
 # pickled ("ok", value) or ("error", type name, message, traceback text, pickled exception or
-# None) or ("exit", code). A length the bytes do not reach means the rank died mid-write.
+# None) or ("exit", code). The header is written last; a length the bytes do not reach is an
+# outcome cut short.
 import json
 import os
 import pickle
@@ -76,13 +77,19 @@ def _preload(modules):
     return done, errors
 
 
-def _write_outcome(fd, data):
+def _write_outcome(fd, outcome):
+    """Pickles the outcome straight into the memfd, past the header (a large return value is not
+    first copied into a bytes object), then writes the header: a rank that dies before the end
+    leaves none, and the caller sees no outcome."""
+    import cloudpickle
+
     os.ftruncate(fd, 0)
-    os.pwrite(fd, _HEADER.pack(RESULT_MAGIC, len(data)), 0)
-    view, at = memoryview(data), _HEADER.size
-    while view:
-        n = os.pwrite(fd, view, at)
-        view, at = view[n:], at + n
+    with os.fdopen(os.dup(fd), "wb") as f:  # buffered: every write is whole
+        f.seek(_HEADER.size)
+        cloudpickle.dump(outcome, f, protocol=pickle.HIGHEST_PROTOCOL)
+        f.flush()
+        length = f.tell() - _HEADER.size
+    os.pwrite(fd, _HEADER.pack(RESULT_MAGIC, length), 0)
 
 
 def _rank_main(fields, fds):
@@ -136,12 +143,11 @@ def _rank_main(fields, fds):
                 exc = None
             outcome = ("error", type(e).__name__, str(e), traceback.format_exc(), exc)
         try:
-            data = cloudpickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL)
+            _write_outcome(memfd, outcome)
         except Exception as e:  # noqa: BLE001 - an unpicklable return value is an error
-            data = pickle.dumps(("error", type(e).__name__,
-                                 f"the return value could not be pickled: {e}", "", None))
+            _write_outcome(memfd, ("error", type(e).__name__,
+                                   f"the return value could not be pickled: {e}", "", None))
             code = code or 1
-        _write_outcome(memfd, data)
         os.close(memfd)
     except BaseException as e:  # noqa: BLE001 - the rank's setup failed: say so on its stderr
         try:
