@@ -36,6 +36,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <source_location>
 #include <string>
 #include <vector>
 
@@ -64,7 +65,10 @@ struct WorkerInfo {
 };
 using WorkerInit = void (*)(const WorkerInfo& info);
 // Registers a worker init hook by name (PyTorch's worker_init_fn), usable by every worker kind.
-bool register_worker_init(const std::string& name, WorkerInit fn);
+// A name registered twice keeps its first hook: the second call returns false and says so on
+// stderr, naming both places.
+bool register_worker_init(const std::string& name, WorkerInit fn,
+                          std::source_location where = std::source_location::current());
 
 struct DeviceOptions {
   bool enabled = false;  // copy batches to the GPU in the main process

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <source_location>
 #include <span>
 #include <string>
 #include <vector>
@@ -61,7 +62,9 @@ class Transform {
 };
 
 using TransformFactory = std::function<std::unique_ptr<Transform>(const nlohmann::json& params)>;
-bool register_transform(const std::string& type, TransformFactory factory);
+// Registers a transform type, with register_dataset's rules (the first of two keeps the name).
+bool register_transform(const std::string& type, TransformFactory factory,
+                        std::source_location where = std::source_location::current());
 std::unique_ptr<Transform> make_transform(const Description& description);
 
 // Built in: copies the sample's bytes as they are; a sample of another size is a bad sample.
