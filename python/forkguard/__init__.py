@@ -4,6 +4,7 @@
     forkguard.probe()                          # this process's CUDA state, never initializing it
     forkguard.ensure_fork_safe()               # raises ForkUnsafeError with evidence and cures
     forkguard.notebook_launch(train, nproc=2)  # ranks from a clean interpreter, torchrun's env
+    forkguard.notebook_launcher(train, num_processes=2)  # accelerate's, same arguments
     for images, labels in forkguard.ImageLoader("/data/train", batch_size=64, workers=4):
         x = torch.from_dlpack(images)          # no copy
 
@@ -15,6 +16,7 @@ workers then come from a guarded fork, refused once CUDA is initialized here.
 import os as _os
 
 from . import _native
+from ._accelerate import notebook_launcher
 from ._launch import RankError, default_preload, notebook_launch, start_server, stop_server
 from ._loader import ImageLoader
 from ._native import DataError, DLTensor, Error, LoaderTimeoutError, ProbeError, WorkerError
@@ -25,8 +27,8 @@ __version__ = _native.__version__
 __all__ = [
     "DLTensor", "DataError", "Error", "Evidence", "ForkUnsafeError", "ImageLoader",
     "LoaderTimeoutError", "ProbeError", "ProbeResult", "RankError", "WorkerError",
-    "default_preload", "ensure_fork_safe", "notebook_launch", "probe", "start_server",
-    "stop_server",
+    "default_preload", "ensure_fork_safe", "notebook_launch", "notebook_launcher", "probe",
+    "start_server", "stop_server",
 ]
 
 if not _os.environ.get("FORKGUARD_NO_FORK_SERVER"):

@@ -59,10 +59,6 @@ InitState& init_state() {
   return state;
 }
 
-std::string registered_entries() {
-  return registry().name_list();
-}
-
 std::string unknown_entry(std::string_view name) {
   return registry().unknown(name);
 }

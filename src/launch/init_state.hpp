@@ -15,8 +15,6 @@ struct InitState {
 
 InitState& init_state();
 
-// "a, b, c", or "none": for messages about an unknown entry name.
-std::string registered_entries();
 // The registry's message for an entry name nobody registered: "no entry function named \"x\"
 // (registered: a, b); register it with FORKGUARD_ENTRY".
 std::string unknown_entry(std::string_view name);
