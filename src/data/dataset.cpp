@@ -19,8 +19,8 @@ forkguard::detail::Registry<DatasetFactory>& datasets() {
 
 }  // namespace
 
-bool register_dataset(const std::string& type, DatasetFactory factory, std::source_location where) {
-  return datasets().add(type, std::move(factory), where);
+bool register_dataset(const std::string& type, DatasetFactory factory, const char* file, int line) {
+  return datasets().add(type, std::move(factory), file, line);
 }
 
 std::unique_ptr<Dataset> make_dataset(const Description& d) {

@@ -45,8 +45,8 @@ std::string format_indices(const std::vector<size_t>& v) {
 
 }  // namespace
 
-bool register_worker_init(const std::string& name, WorkerInit fn, std::source_location where) {
-  return hooks().add(name, fn, where);
+bool register_worker_init(const std::string& name, WorkerInit fn, const char* file, int line) {
+  return hooks().add(name, fn, file, line);
 }
 
 namespace detail {

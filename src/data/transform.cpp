@@ -65,9 +65,9 @@ OutputSpec output_spec_from_json(const nlohmann::json& j) {
                     static_cast<Layout>(j.at("layout").get<int>())};
 }
 
-bool register_transform(const std::string& type, TransformFactory factory,
-                        std::source_location where) {
-  return transforms().add(type, std::move(factory), where);
+bool register_transform(const std::string& type, TransformFactory factory, const char* file,
+                        int line) {
+  return transforms().add(type, std::move(factory), file, line);
 }
 
 std::unique_ptr<Transform> make_transform(const Description& d) {

@@ -20,7 +20,6 @@
 #include <map>
 #include <mutex>
 #include <optional>
-#include <source_location>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -38,19 +37,20 @@ class Registry {
   Registry& operator=(const Registry&) = delete;
 
   // Registers `factory` as `name`, unless the name is taken: then the first registration stays,
-  // a line on stderr names both places, and false is returned.
-  bool add(std::string_view name, Factory factory,
-           std::source_location where = std::source_location::current()) {
+  // a line on stderr names both places, and false is returned. The place defaults to the caller's
+  // (__builtin_FILE/__builtin_LINE, which GCC and Clang both take: clang 14 has no
+  // std::source_location).
+  bool add(std::string_view name, Factory factory, const char* file = __builtin_FILE(),
+           int line = __builtin_LINE()) {
     std::lock_guard lock(mutex_);
-    auto [it, added] = entries_.try_emplace(std::string(name), Entry{std::move(factory), where});
+    auto [it, added] =
+        entries_.try_emplace(std::string(name), Entry{std::move(factory), file, line});
     if (!added) {
-      const std::source_location& first = it->second.where;
+      const Entry& first = it->second;
       std::fprintf(stderr,
-                   "forkguard: %s \"%s\" is registered twice (at %s:%u, then at %s:%u); the first "
+                   "forkguard: %s \"%s\" is registered twice (at %s:%d, then at %s:%d); the first "
                    "is kept\n",
-                   what_.c_str(), it->first.c_str(), first.file_name(),
-                   static_cast<unsigned>(first.line()), where.file_name(),
-                   static_cast<unsigned>(where.line()));
+                   what_.c_str(), it->first.c_str(), first.file, first.line, file, line);
     }
     return added;
   }
@@ -88,7 +88,8 @@ class Registry {
  private:
   struct Entry {
     Factory factory;
-    std::source_location where;
+    const char* file;  // where it was registered: a string literal (__builtin_FILE)
+    int line;
   };
 
   const std::string what_;

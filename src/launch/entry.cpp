@@ -40,8 +40,8 @@ int env_int(const char* name, int fallback) {
 
 }  // namespace
 
-bool register_entry(const char* name, EntryFunction fn, std::source_location where) {
-  return registry().add(name, fn, where);
+bool register_entry(const char* name, EntryFunction fn, const char* file, int line) {
+  return registry().add(name, fn, file, line);
 }
 
 EntryFunction find_entry(std::string_view name) {

@@ -372,8 +372,8 @@ pid_t ForkServer::start_call(const std::string& function, int fd, int stdout_fd,
   return request(encode(CallRequest{.function = function}), stdout_fd, stderr_fd, fd);
 }
 
-bool register_zygote_function(const char* name, ZygoteFunction fn, std::source_location where) {
-  return zygote_functions().add(name, fn, where);
+bool register_zygote_function(const char* name, ZygoteFunction fn, const char* file, int line) {
+  return zygote_functions().add(name, fn, file, line);
 }
 
 ZygoteFunction find_zygote_function(std::string_view name) {

@@ -12,7 +12,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <source_location>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -80,7 +79,7 @@ class ForkServer {
 // on stderr naming both places).
 using ZygoteFunction = int (*)(int fd);
 bool register_zygote_function(const char* name, ZygoteFunction fn,
-                              std::source_location where = std::source_location::current());
+                              const char* file = __builtin_FILE(), int line = __builtin_LINE());
 // The function registered as `name`, or nullptr; the message for a name nobody registered.
 ZygoteFunction find_zygote_function(std::string_view name);
 std::string unknown_zygote_function(std::string_view name);

@@ -23,7 +23,6 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <source_location>
 #include <string>
 #include <vector>
 
@@ -62,7 +61,7 @@ using DatasetFactory = std::function<std::unique_ptr<Dataset>(const nlohmann::js
 // registered twice keeps its first factory: the second call returns false and says so on stderr,
 // naming both places.
 bool register_dataset(const std::string& type, DatasetFactory factory,
-                      std::source_location where = std::source_location::current());
+                      const char* file = __builtin_FILE(), int line = __builtin_LINE());
 // Rebuilds a dataset from its description; throws DataError for an unknown type.
 std::unique_ptr<Dataset> make_dataset(const Description& description);
 

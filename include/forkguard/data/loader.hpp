@@ -36,7 +36,6 @@
 #include <functional>
 #include <memory>
 #include <optional>
-#include <source_location>
 #include <string>
 #include <vector>
 
@@ -68,7 +67,7 @@ using WorkerInit = void (*)(const WorkerInfo& info);
 // A name registered twice keeps its first hook: the second call returns false and says so on
 // stderr, naming both places.
 bool register_worker_init(const std::string& name, WorkerInit fn,
-                          std::source_location where = std::source_location::current());
+                          const char* file = __builtin_FILE(), int line = __builtin_LINE());
 
 struct DeviceOptions {
   bool enabled = false;  // copy batches to the GPU in the main process

@@ -23,7 +23,6 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
-#include <source_location>
 #include <span>
 #include <string>
 #include <vector>
@@ -64,7 +63,7 @@ class Transform {
 using TransformFactory = std::function<std::unique_ptr<Transform>(const nlohmann::json& params)>;
 // Registers a transform type, with register_dataset's rules (the first of two keeps the name).
 bool register_transform(const std::string& type, TransformFactory factory,
-                        std::source_location where = std::source_location::current());
+                        const char* file = __builtin_FILE(), int line = __builtin_LINE());
 std::unique_ptr<Transform> make_transform(const Description& description);
 
 // Built in: copies the sample's bytes as they are; a sample of another size is a bad sample.

@@ -14,7 +14,6 @@
 // Thread-safety: find_entry() may be called from any thread once main() runs.
 #pragma once
 
-#include <source_location>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -37,8 +36,8 @@ using EntryFunction = int (*)(const RankContext&);
 // Registers fn under name; returns true (so it can initialize a static). A name registered twice
 // keeps its first function: the second call returns false and says so on stderr, naming both
 // places.
-bool register_entry(const char* name, EntryFunction fn,
-                    std::source_location where = std::source_location::current());
+bool register_entry(const char* name, EntryFunction fn, const char* file = __builtin_FILE(),
+                    int line = __builtin_LINE());
 EntryFunction find_entry(std::string_view name);  // nullptr when unknown
 std::vector<std::string> entry_names();
 
