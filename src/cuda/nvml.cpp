@@ -9,6 +9,7 @@
 #include <fstream>
 #include <string_view>
 
+#include "detail/decimal.hpp"
 #include "forkguard/cuda/api.hpp"
 
 namespace forkguard::cuda {
@@ -124,7 +125,8 @@ bool from_procfs(GpuInventory& inv) {
       auto value = trim(std::string_view(line).substr(colon + 1));
       if (key == "Model") gpu.name = value;
       if (key == "GPU UUID") gpu.uuid = value;
-      if (key == "Device Minor") gpu.minor = std::atoi(value.c_str());
+      if (key == "Device Minor")
+        gpu.minor = forkguard::detail::parse_decimal<int>(value).value_or(-1);
     }
     inv.gpus.push_back(std::move(gpu));
   }

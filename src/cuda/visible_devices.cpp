@@ -2,8 +2,9 @@
 
 #include <fmt/format.h>
 
-#include <cstdlib>
 #include <set>
+
+#include "detail/decimal.hpp"
 
 namespace forkguard::cuda {
 namespace {
@@ -22,9 +23,10 @@ DeviceSelector classify(std::string text) {
     sel.kind = DeviceSelector::Kind::kUuid;
   } else if (t.rfind("MIG-", 0) == 0 && t.size() > 4) {
     sel.kind = DeviceSelector::Kind::kMig;
-  } else if (!t.empty() && t.find_first_not_of("0123456789") == std::string::npos && t.size() < 9) {
+  } else if (auto index = forkguard::detail::parse_decimal<int>(t);
+             index && *index >= 0 && t.size() < 9 && t[0] != '-') {
     sel.kind = DeviceSelector::Kind::kIndex;
-    sel.index = std::atoi(t.c_str());
+    sel.index = *index;
   }
   return sel;
 }

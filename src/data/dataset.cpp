@@ -3,51 +3,30 @@
 #include <fmt/format.h>
 
 #include <cstring>
-#include <map>
-#include <mutex>
 
+#include "detail/registry.hpp"
 #include "forkguard/data/error.hpp"
 #include "forkguard/data/rng.hpp"
 
 namespace forkguard::data {
 namespace {
 
-struct DatasetRegistry {
-  std::mutex mutex;
-  std::map<std::string, DatasetFactory> factories;
-};
-
-DatasetRegistry& datasets() {
-  static DatasetRegistry r;
+forkguard::detail::Registry<DatasetFactory>& datasets() {
+  static forkguard::detail::Registry<DatasetFactory> r("dataset type",
+                                                       "FORKGUARD_REGISTER_DATASET");
   return r;
 }
 
 }  // namespace
 
-bool register_dataset(const std::string& type, DatasetFactory factory) {
-  auto& r = datasets();
-  std::lock_guard lock(r.mutex);
-  r.factories[type] = std::move(factory);
-  return true;
+bool register_dataset(const std::string& type, DatasetFactory factory, const char* file, int line) {
+  return datasets().add(type, std::move(factory), file, line);
 }
 
 std::unique_ptr<Dataset> make_dataset(const Description& d) {
-  DatasetFactory factory;
-  std::string known;
-  {
-    auto& r = datasets();
-    std::lock_guard lock(r.mutex);
-    auto it = r.factories.find(d.type);
-    if (it != r.factories.end()) factory = it->second;
-    for (const auto& [name, f] : r.factories) known += (known.empty() ? "" : ", ") + name;
-  }
-  if (!factory) {
-    throw DataError(
-        fmt::format("no dataset type \"{}\" is registered (known: {}); register it "
-                    "with FORKGUARD_REGISTER_DATASET",
-                    d.type, known.empty() ? "none" : known));
-  }
-  return factory(d.params);
+  auto factory = datasets().find(d.type);
+  if (!factory) throw DataError(datasets().unknown(d.type));
+  return (*factory)(d.params);
 }
 
 void SyntheticDataset::fill(size_t index, unsigned char* out) const {

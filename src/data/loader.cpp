@@ -15,17 +15,14 @@
 #include "data/producer.hpp"
 #include "data/slot.hpp"
 #include "data/workers.hpp"
+#include "detail/registry.hpp"
 
 namespace forkguard::data {
 namespace {
 
-struct HookRegistry {
-  std::mutex mutex;
-  std::map<std::string, WorkerInit> hooks;
-};
-
-HookRegistry& hooks() {
-  static HookRegistry r;
+forkguard::detail::Registry<WorkerInit>& hooks() {
+  static forkguard::detail::Registry<WorkerInit> r("worker init hook",
+                                                   "forkguard::data::register_worker_init");
   return r;
 }
 
@@ -48,26 +45,16 @@ std::string format_indices(const std::vector<size_t>& v) {
 
 }  // namespace
 
-bool register_worker_init(const std::string& name, WorkerInit fn) {
-  auto& r = hooks();
-  std::lock_guard lock(r.mutex);
-  r.hooks[name] = fn;
-  return true;
+bool register_worker_init(const std::string& name, WorkerInit fn, const char* file, int line) {
+  return hooks().add(name, fn, file, line);
 }
 
 namespace detail {
 
 WorkerInit find_worker_init(const std::string& name) {
-  auto& r = hooks();
-  std::lock_guard lock(r.mutex);
-  auto it = r.hooks.find(name);
-  if (it == r.hooks.end()) {
-    throw DataError(
-        fmt::format("no worker init hook named \"{}\" is registered (see "
-                    "forkguard::data::register_worker_init)",
-                    name));
-  }
-  return it->second;
+  auto fn = hooks().find(name);
+  if (!fn) throw DataError(hooks().unknown(name));
+  return *fn;
 }
 
 class LoaderImpl {

@@ -26,6 +26,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <tuple>
+#include <variant>
 
 #include "data/worker_protocol.hpp"
 #include "data/workers.hpp"
@@ -46,13 +47,6 @@ using launch::detail::ForkServer;
 
 constexpr const char* kZygoteFunction = "forkguard.data.worker";
 constexpr auto kExitGrace = std::chrono::seconds(2);
-
-std::string u64(uint64_t v) {
-  return std::to_string(v);
-}
-uint64_t to_u64(const std::string& s) {
-  return std::strtoull(s.c_str(), nullptr, 10);
-}
 
 // A task's indices travel in its slot, not in the message (whose size is bounded by the socket's
 // buffer: about 26 000 indices): the loader writes them before it sends the task.
@@ -102,17 +96,16 @@ int serve(int sock, const Producer& producer) {
     std::vector<std::string> f;
     int fds[kMaxFds];
     if (!recv_message(sock, f, fds)) return 0;  // the loader closed our socket: stop
-    std::optional<SlotMessage> slot_message;
-    std::optional<TaskMessage> task;
+    WorkerRequest request;
     try {
-      slot_message = decode_slot(f);
-      if (!slot_message) task = decode_task(f);
+      request = decode_worker_request(f);
     } catch (const DataError& e) {
       // Not from our loader: no batch to answer for, and nothing sensible to do but stop.
       std::fprintf(stderr, "forkguard: process worker %d: %s\n", static_cast<int>(::getpid()),
                    e.what());
       return 4;
     }
+    const auto* slot_message = std::get_if<SlotMessage>(&request);
     if (slot_message && fds[0] >= 0) {
       slots.insert_or_assign(slot_message->slot, Mapping(fds[0], slot_message->bytes));
       continue;
@@ -120,6 +113,7 @@ int serve(int sock, const Producer& producer) {
     for (int fd : fds) {
       if (fd >= 0) ::close(fd);
     }
+    const auto* task = std::get_if<TaskMessage>(&request);
     if (!task) continue;
     uint64_t idle = static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - idle_from).count());
@@ -139,7 +133,9 @@ int serve(int sock, const Producer& producer) {
         r.message = e.what();
       }
     }
-    if (!send_message(sock, encode_done(task->batch, task->slot, r, idle))) {
+    if (!send_message(
+            sock, encode(DoneReply{
+                      .batch = task->batch, .slot = task->slot, .result = r, .idle_ns = idle}))) {
       // The loader is gone (EPIPE: stop quietly) or the report could not be sent.
       if (errno == EPIPE || errno == ECONNRESET) return 0;
       std::fprintf(stderr, "forkguard: process worker %d cannot report batch %llu: %s\n",
@@ -197,13 +193,22 @@ int worker_entry(int sock) {
   for (int k = 1; k < kMaxFds; ++k) {
     if (fds[k] >= 0) ::close(fds[k]);
   }
-  if (f.size() != 3 || f[0] != "setup" || !description) return 2;
+  const SetupMessage* setup_message = nullptr;
+  WorkerRequest request;
+  try {
+    request = decode_worker_request(f);
+    setup_message = std::get_if<SetupMessage>(&request);
+  } catch (const DataError& e) {
+    std::fprintf(stderr, "forkguard: process worker %d: %s\n", static_cast<int>(::getpid()),
+                 e.what());
+  }
+  if (setup_message == nullptr || !description) return 2;
   std::unique_ptr<Dataset> dataset;
   std::unique_ptr<Transform> transform;
   WorkerSetup setup;
   int id = 0;
   try {
-    auto j = nlohmann::json::parse(read_setup(description.get(), to_u64(f[1])));
+    auto j = nlohmann::json::parse(read_setup(description.get(), setup_message->bytes));
     description.reset();
     dataset = make_dataset({j.at("dataset").at("type"), j.at("dataset").at("params")});
     transform = make_transform({j.at("transform").at("type"), j.at("transform").at("params")});
@@ -218,7 +223,7 @@ int worker_entry(int sock) {
     setup.workers = j.at("workers");
     setup.epoch = j.at("epoch");
     setup.worker_init = j.at("worker_init");
-    id = std::atoi(f[2].c_str());
+    id = setup_message->worker;
     if (transform->output().bytes() != setup.producer.layout.sample_bytes) {
       throw DataError(fmt::format(
           "the rebuilt transform \"{}\" makes {} bytes per sample, the "
@@ -226,15 +231,16 @@ int worker_entry(int sock) {
           transform->name(), transform->output().bytes(), setup.producer.layout.sample_bytes));
     }
   } catch (const std::exception& e) {
-    send_message(sock, {"failed", fmt::format("cannot rebuild the pipeline: {}", e.what())});
+    send_message(sock,
+                 encode(FailedReply{fmt::format("cannot rebuild the pipeline: {}", e.what())}));
     return 2;
   }
   ::prctl(PR_SET_NAME, fmt::format("fg-worker-{}", id).c_str());
   if (auto why = prepare_worker(setup, id); !why.empty()) {
-    send_message(sock, {"failed", why});
+    send_message(sock, encode(FailedReply{why}));
     return 3;
   }
-  send_message(sock, {"ready"});
+  send_message(sock, encode(ReadyReply{}));
   return serve(sock, Producer(*setup.dataset, *setup.transform, setup.producer));
 }
 
@@ -302,8 +308,8 @@ class ProcessWorkers : public Workers {
     if (!p.has_slot[static_cast<size_t>(task.slot)]) {
       Slot& s = setup_.pool->get(task.slot);
       int fd = s.memory.fd();
-      if (!send_message(p.sock.get(), encode_slot({.slot = task.slot, .bytes = s.memory.size()}),
-                        &fd, 1) &&
+      if (!send_message(p.sock.get(),
+                        encode(SlotMessage{.slot = task.slot, .bytes = s.memory.size()}), &fd, 1) &&
           errno != EPIPE && errno != ECONNRESET) {
         throw WorkerError(fmt::format("cannot send slot {} to worker {} (PID {}): {}", task.slot,
                                       worker, p.pid, std::strerror(errno)),
@@ -317,12 +323,12 @@ class ProcessWorkers : public Workers {
       put_indices(task.indices, setup_.pool->get(task.slot).memory.data(), setup_.producer.layout);
       indices_written_ = batch;
     }
-    if (!send_message(p.sock.get(), encode_task({.epoch = task.epoch,
-                                                 .batch = task.batch,
-                                                 .slot = task.slot,
-                                                 .count = task.indices.size(),
-                                                 .shared = task.shared,
-                                                 .fresh = task.fresh}))) {
+    if (!send_message(p.sock.get(), encode(TaskMessage{.epoch = task.epoch,
+                                                       .batch = task.batch,
+                                                       .slot = task.slot,
+                                                       .count = task.indices.size(),
+                                                       .shared = task.shared,
+                                                       .fresh = task.fresh}))) {
       // A dead worker (EPIPE, ECONNRESET) is reported by wait(); anything else would leave the
       // batch waiting for a task its worker never got.
       if (errno != EPIPE && errno != ECONNRESET) {
@@ -365,7 +371,9 @@ class ProcessWorkers : public Workers {
           for (int fd : got) {
             if (fd >= 0) ::close(fd);
           }
-          if (auto e = decode_done(w, f)) return e;
+          // Only "done" is expected here; a malformed one is the loader's DataError.
+          const WorkerReply reply = decode_worker_reply(f);
+          if (const auto* done = std::get_if<DoneReply>(&reply)) return done->event(w);
           continue;
         }
         if (errno == EAGAIN) continue;
@@ -440,7 +448,8 @@ class ProcessWorkers : public Workers {
     if (via_) {
       p.pid = ForkServer::get()->start_call(kZygoteFunction, theirs.get());
       theirs.reset();
-      if (!send_message(mine.get(), {"setup", u64(setup_size), std::to_string(w)}, &setup_fd, 1)) {
+      if (!send_message(mine.get(), encode(SetupMessage{.bytes = setup_size, .worker = w}),
+                        &setup_fd, 1)) {
         const int e = errno;
         p.sock = std::move(mine);  // closed by stop(): the worker sees EOF and exits
         p.alive = true;
@@ -483,10 +492,10 @@ class ProcessWorkers : public Workers {
       ::prctl(PR_SET_NAME, fmt::format("fg-worker-{}", w).c_str());
       std::string why = prepare_worker(setup_, w);
       if (!why.empty()) {
-        send_message(child_sock, {"failed", why});
+        send_message(child_sock, encode(FailedReply{why}));
         ::_exit(3);
       }
-      send_message(child_sock, {"ready"});
+      send_message(child_sock, encode(ReadyReply{}));
       ::_exit(serve(child_sock, producer));
     }
     return pid;
@@ -516,8 +525,14 @@ class ProcessWorkers : public Workers {
       collect(p, kExitGrace);
       return fmt::format("it {} before it was ready", how(p));
     }
-    if (f.size() == 1 && f[0] == "ready") return {};
-    return f.size() == 2 && f[0] == "failed" ? f[1] : std::string("bad reply");
+    try {
+      const WorkerReply reply = decode_worker_reply(f);
+      if (std::holds_alternative<ReadyReply>(reply)) return {};
+      if (const auto* failed = std::get_if<FailedReply>(&reply)) return failed->message;
+      return "it answered its setup with a \"done\" message";
+    } catch (const DataError& e) {
+      return e.what();
+    }
   }
 
   WorkerEvent died(int w) {

@@ -37,6 +37,7 @@ struct TaskResult {
   std::vector<SkippedSample> skipped;
   uint64_t read_ns = 0;
   uint64_t transform_ns = 0;
+  bool operator==(const TaskResult&) const = default;
 };
 
 // Thrown inside the producer when a stage left CUDA state in a process worker: never taken as a

@@ -6,6 +6,7 @@
 #include <numeric>
 #include <string>
 
+#include "detail/decimal.hpp"
 #include "forkguard/data/error.hpp"
 #include "forkguard/data/rng.hpp"
 
@@ -15,10 +16,9 @@ namespace {
 int env_int(const char* name, int fallback) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return fallback;
-  char* end = nullptr;
-  long n = std::strtol(v, &end, 10);
-  if (*end != '\0' || n < 0) throw DataError(fmt::format("{}={} is not a valid number", name, v));
-  return static_cast<int>(n);
+  const auto n = forkguard::detail::parse_decimal<int>(v);
+  if (!n || *n < 0) throw DataError(fmt::format("{}={} is not a valid number", name, v));
+  return *n;
 }
 
 std::vector<size_t> permutation(size_t size, uint64_t seed, uint64_t epoch) {

@@ -3,21 +3,16 @@
 #include <fmt/format.h>
 
 #include <cstring>
-#include <map>
-#include <mutex>
 
+#include "detail/registry.hpp"
 #include "forkguard/data/error.hpp"
 
 namespace forkguard::data {
 namespace {
 
-struct TransformRegistry {
-  std::mutex mutex;
-  std::map<std::string, TransformFactory> factories;
-};
-
-TransformRegistry& transforms() {
-  static TransformRegistry r;
+forkguard::detail::Registry<TransformFactory>& transforms() {
+  static forkguard::detail::Registry<TransformFactory> r("transform type",
+                                                         "FORKGUARD_REGISTER_TRANSFORM");
   return r;
 }
 
@@ -70,30 +65,15 @@ OutputSpec output_spec_from_json(const nlohmann::json& j) {
                     static_cast<Layout>(j.at("layout").get<int>())};
 }
 
-bool register_transform(const std::string& type, TransformFactory factory) {
-  auto& r = transforms();
-  std::lock_guard lock(r.mutex);
-  r.factories[type] = std::move(factory);
-  return true;
+bool register_transform(const std::string& type, TransformFactory factory, const char* file,
+                        int line) {
+  return transforms().add(type, std::move(factory), file, line);
 }
 
 std::unique_ptr<Transform> make_transform(const Description& d) {
-  TransformFactory factory;
-  std::string known;
-  {
-    auto& r = transforms();
-    std::lock_guard lock(r.mutex);
-    auto it = r.factories.find(d.type);
-    if (it != r.factories.end()) factory = it->second;
-    for (const auto& [name, f] : r.factories) known += (known.empty() ? "" : ", ") + name;
-  }
-  if (!factory) {
-    throw DataError(
-        fmt::format("no transform type \"{}\" is registered (known: {}); register "
-                    "it with FORKGUARD_REGISTER_TRANSFORM",
-                    d.type, known.empty() ? "none" : known));
-  }
-  return factory(d.params);
+  auto factory = transforms().find(d.type);
+  if (!factory) throw DataError(transforms().unknown(d.type));
+  return (*factory)(d.params);
 }
 
 void CopyTransform::apply(const Sample& in, std::span<std::byte> out, Rng&) const {

@@ -5,9 +5,10 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <map>
 #include <string>
 
+#include "detail/decimal.hpp"
+#include "detail/registry.hpp"
 #include "forkguard/init.hpp"
 #include "launch/fork_server.hpp"
 #include "launch/init_state.hpp"
@@ -17,35 +18,38 @@ namespace launch {
 namespace {
 
 // Function-local static: registration runs during static initialization, in any order.
-std::map<std::string, EntryFunction, std::less<>>& registry() {
-  static std::map<std::string, EntryFunction, std::less<>> entries;
+forkguard::detail::Registry<EntryFunction>& registry() {
+  static forkguard::detail::Registry<EntryFunction> entries("entry function", "FORKGUARD_ENTRY");
   return entries;
 }
 
+// A rank's number from the environment the launcher gave it; a value that is not a whole number
+// (the launcher never writes one) stops the rank with a message naming the variable.
 int env_int(const char* name, int fallback) {
   const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
+  if (v == nullptr || *v == '\0') return fallback;
+  const auto n = forkguard::detail::parse_decimal<int>(v);
+  if (!n || *n < 0) {
+    const std::string why =
+        n ? fmt::format("\"{}\" is negative", v) : forkguard::detail::decimal_problem<int>(v);
+    std::fprintf(stderr, "forkguard: the rank's %s: %s\n", name, why.c_str());
+    std::exit(2);
+  }
+  return *n;
 }
 
 }  // namespace
 
-bool register_entry(const char* name, EntryFunction fn) {
-  if (!registry().emplace(name, fn).second) {
-    std::fprintf(stderr, "forkguard: two entry functions are registered as \"%s\"\n", name);
-    std::abort();
-  }
-  return true;
+bool register_entry(const char* name, EntryFunction fn, const char* file, int line) {
+  return registry().add(name, fn, file, line);
 }
 
 EntryFunction find_entry(std::string_view name) {
-  auto it = registry().find(name);
-  return it == registry().end() ? nullptr : it->second;
+  return registry().find(name).value_or(nullptr);
 }
 
 std::vector<std::string> entry_names() {
-  std::vector<std::string> names;
-  for (const auto& [name, fn] : registry()) names.push_back(name);
-  return names;
+  return registry().names();
 }
 
 namespace detail {
@@ -55,10 +59,8 @@ InitState& init_state() {
   return state;
 }
 
-std::string registered_entries() {
-  std::string known;
-  for (const auto& n : entry_names()) known += (known.empty() ? "" : ", ") + n;
-  return known.empty() ? "none" : known;
+std::string unknown_entry(std::string_view name) {
+  return registry().unknown(name);
 }
 
 }  // namespace detail
@@ -74,9 +76,8 @@ void init(int argc, char** argv, const InitOptions& options) {
     ::unsetenv(launch::detail::kEntryVariable);  // the rank's own children are not ranks
     auto fn = launch::find_entry(entry);
     if (fn == nullptr) {
-      std::fprintf(stderr, "forkguard: no entry function named \"%s\" in %s (registered: %s)\n",
-                   entry.c_str(), state.argv0.c_str(),
-                   launch::detail::registered_entries().c_str());
+      std::fprintf(stderr, "forkguard: %s: %s\n", state.argv0.c_str(),
+                   launch::detail::unknown_entry(entry).c_str());
       std::exit(127);
     }
     launch::RankContext ctx;

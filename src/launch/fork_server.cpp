@@ -18,17 +18,18 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
-#include <map>
 #include <optional>
+#include <variant>
 #include <vector>
 
-#include "detail/decimal.hpp"
+#include "detail/registry.hpp"
 #include "detail/seqpacket.hpp"
 
 #include "forkguard/launch/exit_status.hpp"
 #include "forkguard/launch/launcher.hpp"
 #include "forkguard/probe/cuda_state.hpp"
 #include "launch/child.hpp"
+#include "launch/init_state.hpp"
 #include "launch/zygote_protocol.hpp"
 
 extern char** environ;
@@ -43,8 +44,9 @@ using forkguard::detail::kMaxFds;
 using forkguard::detail::recv_message;
 using forkguard::detail::send_message;
 
-std::map<std::string, ZygoteFunction>& zygote_functions() {
-  static std::map<std::string, ZygoteFunction> functions;
+forkguard::detail::Registry<ZygoteFunction>& zygote_functions() {
+  static forkguard::detail::Registry<ZygoteFunction> functions("zygote function",
+                                                               "register_zygote_function");
   return functions;
 }
 
@@ -96,20 +98,22 @@ class Zygote {
     int status = 0;
     pid_t pid;
     while ((pid = ::waitpid(-1, &status, WNOHANG)) > 0) {
-      send_message(sock_, {"exit", std::to_string(pid), std::to_string(status)}, nullptr, 0);
+      send_message(sock_, encode(ExitReport{.pid = pid, .status = status}), nullptr, 0);
     }
   }
 
-  void reply_error(const std::string& why) { send_message(sock_, {"error", why}, nullptr, 0); }
+  void reply_error(const std::string& why) {
+    send_message(sock_, encode(ErrorReply{.message = why}), nullptr, 0);
+  }
 
   void handle(const std::vector<std::string>& f, const int io[kMaxFds]) {
     try {
-      if (f.empty()) return reply_error("empty request");
+      // A malformed request is refused before anything is forked: its reason is the reply.
+      ZygoteRequest request = decode_zygote_request(f);
       ChildIo child_io{io[0], io[1]};
-      if (f[0] == "entry") return start_entry(f, child_io);
-      if (f[0] == "exec") return start_exec(f, child_io);
-      if (f[0] == "call") return start_call(f, child_io, io[2]);
-      reply_error("unknown request " + f[0]);
+      if (auto* r = std::get_if<EntryRequest>(&request)) return start_entry(*r, child_io);
+      if (auto* r = std::get_if<ExecRequest>(&request)) return start_exec(*r, child_io);
+      if (auto* r = std::get_if<CallRequest>(&request)) return start_call(*r, child_io, io[2]);
     } catch (const std::exception& e) {
       reply_error(e.what());
     }
@@ -129,38 +133,32 @@ class Zygote {
                     ::getpid(), probe::to_string(state.verdict), evidence));
   }
 
-  // entry NAME RANK LOCAL WORLD LOCAL_WORLD NODE RESTART NARGS ARGS... ENV...
-  void start_entry(const std::vector<std::string>& f, const ChildIo& io) {
-    EntryRequest r = decode_entry_request(f);  // a malformed one: its reason is the reply
+  void start_entry(EntryRequest& r, const ChildIo& io) {
     EntryFunction fn = find_entry(r.name);
-    if (fn == nullptr) return reply_error(fmt::format("no entry function named \"{}\"", r.name));
+    if (fn == nullptr) return reply_error(unknown_entry(r.name));
     check_clean();
     auto envp = c_array(r.env);
     auto child = fork_call(fn, r.ctx, envp.data(), io);
-    send_message(sock_, {"started", std::to_string(child.pid)}, nullptr, 0);
+    send_message(sock_, encode(StartedReply{.pid = child.pid}), nullptr, 0);
   }
 
-  // exec NARGV ARGV... ENV...
-  void start_exec(const std::vector<std::string>& f, const ChildIo& io) {
-    ExecRequest r = decode_exec_request(f);
+  void start_exec(const ExecRequest& r, const ChildIo& io) {
     EnvMap env;
     for (const auto& kv : r.env) {
       auto eq = kv.find('=');
       if (eq != std::string::npos) env[kv.substr(0, eq)] = kv.substr(eq + 1);
     }
     auto child = spawn_exec(prepare_exec(r.argv, env), io);
-    send_message(sock_, {"started", std::to_string(child.pid)}, nullptr, 0);
+    send_message(sock_, encode(StartedReply{.pid = child.pid}), nullptr, 0);
   }
 
-  // call NAME, with the function's fd as the third attached fd.
-  void start_call(const std::vector<std::string>& f, const ChildIo& io, int fd) {
-    if (f.size() != 2 || fd < 0) return reply_error("malformed call request");
-    auto it = zygote_functions().find(f[1]);
-    if (it == zygote_functions().end()) {
-      return reply_error(fmt::format("no zygote function named \"{}\"", f[1]));
-    }
+  // The function's fd is the third attached fd.
+  void start_call(const CallRequest& r, const ChildIo& io, int fd) {
+    if (fd < 0) return reply_error("zygote request \"call\": no fd attached for the function");
+    auto found = zygote_functions().find(r.function);
+    if (!found) return reply_error(zygote_functions().unknown(r.function));
     check_clean();
-    ZygoteFunction fn = it->second;
+    ZygoteFunction fn = *found;
     const pid_t parent = ::getpid();
     std::fflush(nullptr);
     pid_t pid = ::fork();
@@ -175,7 +173,7 @@ class Zygote {
       std::fflush(nullptr);
       ::_exit(fn(target));
     }
-    send_message(sock_, {"started", std::to_string(pid)}, nullptr, 0);
+    send_message(sock_, encode(StartedReply{.pid = pid}), nullptr, 0);
   }
 
   int sock_;
@@ -286,10 +284,16 @@ bool ForkServer::read_one(bool block) {
   for (int fd : fds) {
     if (fd >= 0) ::close(fd);
   }
-  if (auto exit = decode_exit_report(f)) {
-    exits_.push_back(*exit);
+  ZygoteReply reply;
+  try {
+    reply = decode_zygote_reply(f);
+  } catch (const Error& e) {  // taken as the reply to the request in flight, which fails with it
+    reply = ErrorReply{.message = fmt::format("a malformed reply ({})", e.what())};
+  }
+  if (const auto* exit = std::get_if<ExitReport>(&reply)) {
+    exits_.emplace_back(exit->pid, exit->status);
   } else {
-    reply_ = std::move(f);
+    reply_ = std::move(reply);
     have_reply_ = true;
   }
   return true;
@@ -347,31 +351,37 @@ pid_t ForkServer::request(const std::vector<std::string>& fields, int stdout_fd,
     }
     replace_dead_zygote();
   }
-  if (reply_.size() == 2 && reply_[0] == "started") {
-    if (auto pid = forkguard::detail::parse_decimal<pid_t>(reply_[1]); pid && *pid > 0) return *pid;
-  }
+  if (const auto* started = std::get_if<StartedReply>(&reply_)) return started->pid;
   throw SpawnError(fmt::format("the fork server (PID {}) refused: {}", pid_,
-                               reply_.size() >= 2 ? reply_[1] : std::string("bad reply")));
+                               std::get<ErrorReply>(reply_).message));
 }
 
 pid_t ForkServer::start_entry(const std::string& entry, const RankContext& ctx,
                               const std::vector<std::string>& env, int stdout_fd, int stderr_fd,
                               int extra_fd) {
-  return request(encode_entry_request(entry, ctx, env), stdout_fd, stderr_fd, extra_fd);
+  return request(encode(EntryRequest{.name = entry, .ctx = ctx, .env = env}), stdout_fd, stderr_fd,
+                 extra_fd);
 }
 
 pid_t ForkServer::start_exec(const std::vector<std::string>& argv,
                              const std::vector<std::string>& env, int stdout_fd, int stderr_fd) {
-  return request(encode_exec_request(argv, env), stdout_fd, stderr_fd);
+  return request(encode(ExecRequest{.argv = argv, .env = env}), stdout_fd, stderr_fd);
 }
 
 pid_t ForkServer::start_call(const std::string& function, int fd, int stdout_fd, int stderr_fd) {
-  return request({"call", function}, stdout_fd, stderr_fd, fd);
+  return request(encode(CallRequest{.function = function}), stdout_fd, stderr_fd, fd);
 }
 
-bool register_zygote_function(const char* name, ZygoteFunction fn) {
-  zygote_functions()[name] = fn;
-  return true;
+bool register_zygote_function(const char* name, ZygoteFunction fn, const char* file, int line) {
+  return zygote_functions().add(name, fn, file, line);
+}
+
+ZygoteFunction find_zygote_function(std::string_view name) {
+  return zygote_functions().find(name).value_or(nullptr);
+}
+
+std::string unknown_zygote_function(std::string_view name) {
+  return zygote_functions().unknown(name);
 }
 
 }  // namespace forkguard::launch::detail

@@ -13,11 +13,13 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "detail/fd.hpp"
 #include "forkguard/launch/entry.hpp"
+#include "launch/zygote_protocol.hpp"
 
 namespace forkguard::launch::detail {
 
@@ -67,13 +69,19 @@ class ForkServer {
   bool attached_ = false;  // not ours to replace
   std::mutex mutex_;
   std::vector<std::pair<pid_t, int>> exits_;
-  std::vector<std::string> reply_;
+  ZygoteReply reply_;
   bool have_reply_ = false;
 };
 
 // A function the zygote can fork a child for: registered at static-initialization time (so the
-// zygote, a fork of the program, has it too), run with the fd sent with the request.
+// zygote, a fork of the program, has it too), run with the fd sent with the request. The registry
+// rule of detail/registry.hpp: a name registered twice keeps its first function (false, and a line
+// on stderr naming both places).
 using ZygoteFunction = int (*)(int fd);
-bool register_zygote_function(const char* name, ZygoteFunction fn);
+bool register_zygote_function(const char* name, ZygoteFunction fn,
+                              const char* file = __builtin_FILE(), int line = __builtin_LINE());
+// The function registered as `name`, or nullptr; the message for a name nobody registered.
+ZygoteFunction find_zygote_function(std::string_view name);
+std::string unknown_zygote_function(std::string_view name);
 
 }  // namespace forkguard::launch::detail

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 
 namespace forkguard::launch::detail {
 
@@ -14,7 +15,8 @@ struct InitState {
 
 InitState& init_state();
 
-// "a, b, c", or "none": for messages about an unknown entry name.
-std::string registered_entries();
+// The registry's message for an entry name nobody registered: "no entry function named \"x\"
+// (registered: a, b); register it with FORKGUARD_ENTRY".
+std::string unknown_entry(std::string_view name);
 
 }  // namespace forkguard::launch::detail

@@ -461,10 +461,7 @@ Result supervise(const Options& options, const Job& job, const Supervision& how)
   if (job.is_entry() && job.server != nullptr) {
     // An attached server's entries are registered there, not here.
   } else if (job.is_entry()) {
-    if (find_entry(job.entry) == nullptr) {
-      throw Error(fmt::format("no entry function named \"{}\" (registered: {})", job.entry,
-                              detail::registered_entries()));
-    }
+    if (find_entry(job.entry) == nullptr) throw Error(detail::unknown_entry(job.entry));
   } else if (job.argv.empty()) {
     throw Error("no command to run");
   } else {

@@ -1,49 +1,138 @@
-// The fork server's requests and reports, as message fields (detail/seqpacket.hpp), encoded and
-// decoded without a socket: the zygote decodes what the program sends before it forks anything,
-// and tests/fuzz/zygote_message_fuzz.cpp feeds the decoders arbitrary fields.
+// The fork server's messages as structs (detail/message_fields.hpp), each with one field list that
+// drives its encoder and its decoder: the zygote decodes what the program sends before it forks
+// anything, and tests/fuzz/zygote_message_fuzz.cpp feeds the decoders arbitrary fields. On the
+// wire (fields of one SOCK_SEQPACKET datagram, detail/seqpacket.hpp; python/forkguard/_server.py
+// speaks it too, so it does not change):
 //
-//   entry NAME RANK LOCAL WORLD LOCAL_WORLD NODE RESTART NARGS ARGS... ENV...
-//   exec NARGV ARGV... ENV...          (ENV: "K=V" strings)
-//   exit PID STATUS                    (zygote -> program, for each child reaped)
+//   program -> zygote
+//     entry NAME RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE NODE_RANK RESTART NARGS ARGS... ENV...
+//     exec NARGV ARGV... ENV...        (ENV: "K=V" strings, every field left)
+//     call FUNCTION                    (the function's fd is the third fd attached)
+//     each with the child's stdout and stderr attached as the first two fds
+//   zygote -> program
+//     started PID | error MESSAGE      (the reply to each request)
+//     exit PID STATUS                  (for each child reaped: its raw wait status)
+//
+//   auto fields = encode(ExitReport{.pid = 12, .status = 0});   // {"exit", "12", "0"}
+//   ZygoteReply reply = decode_zygote_reply(fields);             // holds that ExitReport
+//
+// A malformed message throws forkguard::Error naming the message and the field:
+//   zygote request "entry": field "local_rank": "12x" is not a whole number
 //
 // Thread-safety: pure functions.
 #pragma once
 
 #include <sys/types.h>
 
-#include <optional>
 #include <string>
-#include <utility>
+#include <string_view>
+#include <variant>
 #include <vector>
 
+#include "detail/message_fields.hpp"
 #include "forkguard/launch/entry.hpp"
 
 namespace forkguard::launch::detail {
 
+using forkguard::detail::at_least;
+
+// Fork a rank running the registered entry function `name`.
 struct EntryRequest {
+  static constexpr std::string_view kKind = "entry";
   std::string name;              // the registered entry function
   RankContext ctx;               // with its args
   std::vector<std::string> env;  // the complete environment, "K=V"
+
+  template <class V, class M>
+  static void fields(V& v, M& m) {
+    v("name", m.name);
+    v("rank", m.ctx.rank, at_least(0));
+    v("local_rank", m.ctx.local_rank, at_least(0));
+    v("world_size", m.ctx.world_size, at_least(1));
+    v("local_world_size", m.ctx.local_world_size, at_least(1));
+    v("node_rank", m.ctx.node_rank, at_least(0));
+    v("restart_count", m.ctx.restart_count, at_least(0));
+    v("args", m.ctx.args);
+    v.rest("env", m.env);
+  }
+  bool operator==(const EntryRequest&) const = default;
 };
 
+// Fork and execute a command.
 struct ExecRequest {
+  static constexpr std::string_view kKind = "exec";
   std::vector<std::string> argv;  // at least one element
   std::vector<std::string> env;   // "K=V"
+
+  template <class V, class M>
+  static void fields(V& v, M& m) {
+    v("argv", m.argv, 1);
+    v.rest("env", m.env);
+  }
+  bool operator==(const ExecRequest&) const = default;
 };
 
-std::vector<std::string> encode_entry_request(const std::string& name, const RankContext& ctx,
-                                              const std::vector<std::string>& env);
-std::vector<std::string> encode_exec_request(const std::vector<std::string>& argv,
-                                             const std::vector<std::string>& env);
+// Fork a child running the zygote function `function` (register_zygote_function) on the fd sent.
+struct CallRequest {
+  static constexpr std::string_view kKind = "call";
+  std::string function;
 
-// Throw forkguard::Error ("malformed entry request: ...") for fields that are not one: a missing
-// field, a number that is not a decimal int, a count that is negative or names more fields than
-// the message holds.
-EntryRequest decode_entry_request(const std::vector<std::string>& f);
-ExecRequest decode_exec_request(const std::vector<std::string>& f);
+  template <class V, class M>
+  static void fields(V& v, M& m) {
+    v("function", m.function);
+  }
+  bool operator==(const CallRequest&) const = default;
+};
 
-// (PID, wait status) from "exit PID STATUS"; nullopt for any other message (a reply), and for an
-// exit report whose PID or status is not a decimal int (then taken as a bad reply).
-std::optional<std::pair<pid_t, int>> decode_exit_report(const std::vector<std::string>& f);
+struct StartedReply {
+  static constexpr std::string_view kKind = "started";
+  pid_t pid = 0;  // the child forked
+
+  template <class V, class M>
+  static void fields(V& v, M& m) {
+    v("pid", m.pid, at_least<pid_t>(1));
+  }
+  bool operator==(const StartedReply&) const = default;
+};
+
+struct ErrorReply {
+  static constexpr std::string_view kKind = "error";
+  std::string message;  // why nothing was started
+
+  template <class V, class M>
+  static void fields(V& v, M& m) {
+    v("message", m.message);
+  }
+  bool operator==(const ErrorReply&) const = default;
+};
+
+// Not a reply: sent whenever the zygote reaps a child.
+struct ExitReport {
+  static constexpr std::string_view kKind = "exit";
+  pid_t pid = 0;
+  int status = 0;  // the raw wait status
+
+  template <class V, class M>
+  static void fields(V& v, M& m) {
+    v("pid", m.pid, at_least<pid_t>(1));
+    v("status", m.status);
+  }
+  bool operator==(const ExitReport&) const = default;
+};
+
+using ZygoteRequest = std::variant<EntryRequest, ExecRequest, CallRequest>;
+using ZygoteReply = std::variant<StartedReply, ErrorReply, ExitReport>;
+
+std::vector<std::string> encode(const EntryRequest& m);
+std::vector<std::string> encode(const ExecRequest& m);
+std::vector<std::string> encode(const CallRequest& m);
+std::vector<std::string> encode(const StartedReply& m);
+std::vector<std::string> encode(const ErrorReply& m);
+std::vector<std::string> encode(const ExitReport& m);
+
+// Throw forkguard::Error ("zygote request ...", "zygote reply ...") for an empty message, an
+// unknown kind, and a missing, extra or malformed field.
+ZygoteRequest decode_zygote_request(const std::vector<std::string>& f);
+ZygoteReply decode_zygote_reply(const std::vector<std::string>& f);
 
 }  // namespace forkguard::launch::detail

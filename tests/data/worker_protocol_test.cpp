@@ -1,9 +1,12 @@
-// Process workers' messages, without a socket: what the loader and a worker send each other
-// round-trips, and malformed messages (tests/fuzz/worker_message_fuzz.cpp) are DataErrors naming
-// the field, not exceptions from a JSON parser or a negative slot.
+// Process workers' messages, without a socket: every message the loader and a worker send each
+// other round-trips through its one encoder and decoder, and malformed messages
+// (tests/fuzz/worker_message_fuzz.cpp) are DataErrors naming the message and the field, not
+// exceptions from a JSON parser or a negative slot.
 #include "data/worker_protocol.hpp"
 
 #include <gtest/gtest.h>
+
+#include <functional>
 
 #include "detail/seqpacket.hpp"
 #include "forkguard/data/error.hpp"
@@ -29,68 +32,101 @@ Fields wire(const Fields& f) {
   return forkguard::detail::decode(bytes.data(), bytes.size());
 }
 
+template <class M>
+M request_round_trip(const M& m) {
+  const auto back = fd::decode_worker_request(wire(fd::encode(m)));
+  EXPECT_TRUE(std::holds_alternative<M>(back));
+  return std::get<M>(back);
+}
+
+template <class M>
+M reply_round_trip(const M& m) {
+  const auto back = fd::decode_worker_reply(wire(fd::encode(m)));
+  EXPECT_TRUE(std::holds_alternative<M>(back));
+  return std::get<M>(back);
+}
+
 }  // namespace
 
-TEST(WorkerProtocol, SlotAndTaskRoundTrip) {
-  const auto slot = fd::decode_slot(wire(fd::encode_slot({.slot = 3, .bytes = 1 << 20})));
-  ASSERT_TRUE(slot);
-  EXPECT_EQ(slot->slot, 3);
-  EXPECT_EQ(slot->bytes, 1u << 20);
-  const auto task = fd::decode_task(wire(fd::encode_task(
-      {.epoch = 2, .batch = 17, .slot = 3, .count = 64, .shared = true, .fresh = false})));
-  ASSERT_TRUE(task);
-  EXPECT_EQ(task->epoch, 2u);
-  EXPECT_EQ(task->batch, 17u);
-  EXPECT_EQ(task->slot, 3);
-  EXPECT_EQ(task->count, 64u);
-  EXPECT_TRUE(task->shared);
-  EXPECT_FALSE(task->fresh);
-  EXPECT_FALSE(fd::decode_task({"slot", "1", "2"}));
+TEST(WorkerProtocol, RequestsRoundTrip) {
+  const fd::SetupMessage setup{.bytes = 123456789012, .worker = 7};
+  EXPECT_EQ(request_round_trip(setup), setup);
+  const fd::SlotMessage slot{.slot = 3, .bytes = 1 << 20};
+  EXPECT_EQ(request_round_trip(slot), slot);
+  const fd::TaskMessage task{
+      .epoch = 2, .batch = 17, .slot = 3, .count = 64, .shared = true, .fresh = false};
+  EXPECT_EQ(request_round_trip(task), task);
+  EXPECT_EQ(fd::encode(task), (Fields{"task", "2", "17", "3", "64", "1", "0"}));
 }
 
 // Keys and reasons are file names: any bytes, UTF-8 or not, must come back as they were.
-TEST(WorkerProtocol, DoneRoundTripsAnyBytes) {
-  TaskResult r;
-  r.kind = TaskResult::Kind::kData;
-  r.message = "bad sample";
-  r.index = 5;
-  r.key = "caf\xe9.jpg";
-  r.position = 2;
-  r.skipped.push_back({.position = 1,
-                       .index = 9,
-                       .key = "d\xff/x.jpg",
-                       .reason = "d\xff/x.jpg: corrupt JPEG",
-                       .substitute = 10});
-  const auto e = fd::decode_done(4, wire(fd::encode_done(17, 3, r, 99)));
-  ASSERT_TRUE(e);
-  EXPECT_EQ(e->worker, 4);
-  EXPECT_EQ(e->batch, 17u);
-  EXPECT_EQ(e->slot, 3);
-  EXPECT_EQ(e->idle_ns, 99u);
-  EXPECT_EQ(e->result.kind, TaskResult::Kind::kData);
-  EXPECT_EQ(e->result.key, r.key);
-  EXPECT_EQ(e->result.position, 2u);
-  ASSERT_EQ(e->result.skipped.size(), 1u);
-  EXPECT_EQ(e->result.skipped[0].key, "d\xff/x.jpg");
-  EXPECT_EQ(e->result.skipped[0].reason, "d\xff/x.jpg: corrupt JPEG");
-  EXPECT_EQ(e->result.skipped[0].substitute, 10u);
+TEST(WorkerProtocol, RepliesRoundTripAnyBytes) {
+  EXPECT_EQ(reply_round_trip(fd::ReadyReply{}), fd::ReadyReply{});
+  EXPECT_EQ(fd::encode(fd::ReadyReply{}), Fields{"ready"});
+  const fd::FailedReply failed{.message = "its init hook \"x\" threw: caf\xe9"};
+  EXPECT_EQ(reply_round_trip(failed), failed);
+  fd::DoneReply done{.batch = 17, .slot = 3, .result = {}, .idle_ns = 99};
+  done.result.kind = TaskResult::Kind::kData;
+  done.result.message = "bad sample";
+  done.result.index = 5;
+  done.result.key = "caf\xe9.jpg";
+  done.result.position = 2;
+  done.result.read_ns = 10;
+  done.result.transform_ns = 20;
+  done.result.skipped.push_back({.position = 1,
+                                 .index = 9,
+                                 .key = "d\xff/x.jpg",
+                                 .reason = "d\xff/x.jpg: corrupt JPEG",
+                                 .substitute = 10});
+  done.result.skipped.push_back(
+      {.position = 4, .index = 0, .key = "", .reason = "", .substitute = 0});
+  EXPECT_EQ(reply_round_trip(done), done);
+  const auto e = done.event(4);
+  EXPECT_EQ(e.kind, fd::WorkerEvent::Kind::kDone);
+  EXPECT_EQ(e.worker, 4);
+  EXPECT_EQ(e.batch, 17u);
+  EXPECT_EQ(e.slot, 3);
+  EXPECT_EQ(e.idle_ns, 99u);
+  EXPECT_EQ(e.result, done.result);
 }
 
-TEST(WorkerProtocol, MalformedMessagesAreDataErrors) {
+TEST(WorkerProtocol, MalformedMessagesAreDataErrorsNamingTheField) {
   EXPECT_EQ(error_of([] {
-              fd::decode_task({"task", "1", "x", "3", "64", "0", "1"});
+              fd::decode_worker_request({"task", "1", "x", "3", "64", "0", "1"});
             }),
-            "malformed process worker \"task\" message: field 2 is \"x\"");
+            "process worker request \"task\": field \"batch\": \"x\" is not a whole number");
   EXPECT_EQ(error_of([] {
-              fd::decode_task({"task", "1", "2", "-3", "64", "0", "1"});
+              fd::decode_worker_request({"task", "1", "2", "-3", "64", "0", "1"});
             }),
-            "malformed process worker \"task\" message: slot -3");
+            "process worker request \"task\": field \"slot\": -3 is below 0");
   EXPECT_EQ(error_of([] {
-              fd::decode_slot({"slot", "1", "0"});
+              fd::decode_worker_request({"task", "1", "2", "3", "64", "0", "2"});
             }),
-            "malformed process worker \"slot\" message: 0 bytes");
+            "process worker request \"task\": field \"fresh\": \"2\" is not 0 or 1");
   EXPECT_EQ(error_of([] {
-              fd::decode_done(0, {"done", "1", "2", "9", "", "0", "", "0", "0", "0", "0", "0"});
+              fd::decode_worker_request({"slot", "1", "0"});
             }),
-            "malformed process worker \"done\" message: result kind 9");
+            "process worker request \"slot\": field \"bytes\": 0 is below 1");
+  EXPECT_EQ(error_of([] {
+              fd::decode_worker_request({"setup", "100"});
+            }),
+            "process worker request \"setup\": field \"worker\" is missing");
+  EXPECT_EQ(error_of([] { fd::decode_worker_request({"done"}); }),
+            "process worker request: unknown kind \"done\" (expected \"setup\", \"slot\", "
+            "\"task\")");
+  EXPECT_EQ(error_of([] {
+              fd::decode_worker_reply({"ready", "now"});
+            }),
+            "process worker reply \"ready\": 1 field too many");
+  EXPECT_EQ(
+      error_of([] {
+        fd::decode_worker_reply({"done", "1", "2", "9", "", "0", "", "0", "0", "0", "0", "0"});
+      }),
+      "process worker reply \"done\": field \"kind\": 9 is above 4");
+  EXPECT_EQ(error_of([] {
+              fd::decode_worker_reply(
+                  {"done", "1", "2", "1", "", "0", "", "0", "0", "0", "0", "2", "1", "2"});
+            }),
+            "process worker reply \"done\": field \"skipped\": 2 items of 5 fields, but 2 "
+            "fields follow");
 }

@@ -1,27 +1,66 @@
 // The fork server's messages: the bytes as one datagram, split into fields by the socket layer's
-// decode() (detail/seqpacket.hpp), then given to every request and report decoder the zygote and
-// the program use. A well-formed request must encode back to the same fields.
+// decode() (detail/seqpacket.hpp), then given to the request and reply decoders the zygote and the
+// program use. A message that decodes must come back the same through its encoder and the socket
+// layer (decode(encode(x)) == x), and so must messages built from the fields (any bytes in names,
+// arguments and environment strings).
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <variant>
 
 #include "detail/seqpacket.hpp"
 #include "forkguard/error.hpp"
 #include "launch/zygote_protocol.hpp"
 
+namespace {
+
+using namespace forkguard::launch::detail;
+
+std::vector<std::string> wire(const std::vector<std::string>& f) {
+  const std::string bytes = forkguard::detail::encode(f);
+  return forkguard::detail::decode(bytes.data(), bytes.size());
+}
+
+template <class Variant, class Decode>
+void check_round_trip(const Variant& v, Decode decode) {
+  std::visit(
+      [&](const auto& m) {
+        if (decode(wire(encode(m))) != Variant(m)) std::abort();
+      },
+      v);
+}
+
+}  // namespace
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  using namespace forkguard::launch::detail;
   const auto f = forkguard::detail::decode(reinterpret_cast<const char*>(data), size);
   try {
-    const EntryRequest r = decode_entry_request(f);
-    if (encode_entry_request(r.name, r.ctx, r.env).size() != f.size()) std::abort();
+    check_round_trip(decode_zygote_request(f), &decode_zygote_request);
   } catch (const forkguard::Error&) {
   }
   try {
-    const ExecRequest r = decode_exec_request(f);
-    if (r.argv.empty() || encode_exec_request(r.argv, r.env).size() != f.size()) std::abort();
+    check_round_trip(decode_zygote_reply(f), &decode_zygote_reply);
   } catch (const forkguard::Error&) {
   }
-  if (auto exit = decode_exit_report(f); exit && exit->first <= 0) std::abort();
+
+  // Messages made of the fields, as arbitrary as names and environments get.
+  const size_t half = f.size() / 2;
+  EntryRequest entry;
+  entry.name = f.empty() ? "" : f[0];
+  entry.ctx.rank = static_cast<int>(size);
+  entry.ctx.world_size = static_cast<int>(size) + 1;
+  entry.ctx.args.assign(f.begin() + static_cast<std::ptrdiff_t>(std::min<size_t>(1, half)),
+                        f.begin() + static_cast<std::ptrdiff_t>(half));
+  entry.env.assign(f.begin() + static_cast<std::ptrdiff_t>(half), f.end());
+  check_round_trip(ZygoteRequest(entry), &decode_zygote_request);
+  if (!f.empty()) {
+    check_round_trip(ZygoteRequest(ExecRequest{
+                         .argv = {f.begin(), f.begin() + 1 + static_cast<std::ptrdiff_t>(half)},
+                         .env = {f.begin() + 1 + static_cast<std::ptrdiff_t>(half), f.end()}}),
+                     &decode_zygote_request);
+    check_round_trip(ZygoteRequest(CallRequest{.function = f[0]}), &decode_zygote_request);
+    check_round_trip(ZygoteReply(ErrorReply{.message = f[0]}), &decode_zygote_reply);
+  }
   return 0;
 }

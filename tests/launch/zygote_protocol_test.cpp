@@ -1,11 +1,16 @@
-// The fork server's request decoding, without a socket: well-formed requests round-trip, and
-// malformed ones (found by tests/fuzz/zygote_message_fuzz.cpp) are errors naming the field instead
-// of out-of-range iterators.
+// The fork server's messages, without a socket: every request and reply round-trips through its
+// one encoder and decoder, the wire stays what python/forkguard/_server.py speaks, and a malformed
+// message (found by tests/fuzz/zygote_message_fuzz.cpp) is an error naming the message and the
+// field instead of an out-of-range iterator.
 #include "launch/zygote_protocol.hpp"
 
 #include <gtest/gtest.h>
 
+#include <functional>
+
+#include "detail/seqpacket.hpp"
 #include "forkguard/error.hpp"
+#include "launch/fork_server.hpp"
 
 namespace fl = forkguard::launch::detail;
 using Fields = std::vector<std::string>;
@@ -21,68 +26,149 @@ std::string error_of(const std::function<void()>& f) {
   return "no error";
 }
 
-}  // namespace
-
-TEST(ZygoteProtocol, EntryRequestRoundTrips) {
-  forkguard::launch::RankContext ctx{3, 1, 8, 2, 1, 4, {"--lr", "0.1"}};
-  const Fields env = {"PATH=/usr/bin", "RANK=3"};
-  const auto r = fl::decode_entry_request(fl::encode_entry_request("train", ctx, env));
-  EXPECT_EQ(r.name, "train");
-  EXPECT_EQ(r.ctx.rank, 3);
-  EXPECT_EQ(r.ctx.local_rank, 1);
-  EXPECT_EQ(r.ctx.world_size, 8);
-  EXPECT_EQ(r.ctx.local_world_size, 2);
-  EXPECT_EQ(r.ctx.node_rank, 1);
-  EXPECT_EQ(r.ctx.restart_count, 4);
-  EXPECT_EQ(r.ctx.args, (Fields{"--lr", "0.1"}));
-  EXPECT_EQ(r.env, env);
+// Through the socket layer's encoding, as the peer receives it.
+Fields wire(const Fields& f) {
+  const std::string bytes = forkguard::detail::encode(f);
+  return forkguard::detail::decode(bytes.data(), bytes.size());
 }
 
-TEST(ZygoteProtocol, ExecRequestRoundTrips) {
-  const auto r = fl::decode_exec_request(fl::encode_exec_request({"/bin/echo", "hi"}, {"A=1"}));
-  EXPECT_EQ(r.argv, (Fields{"/bin/echo", "hi"}));
-  EXPECT_EQ(r.env, Fields{"A=1"});
+template <class M>
+M request_round_trip(const M& m) {
+  const auto back = fl::decode_zygote_request(wire(fl::encode(m)));
+  EXPECT_TRUE(std::holds_alternative<M>(back));
+  return std::get<M>(back);
+}
+
+template <class M>
+M reply_round_trip(const M& m) {
+  const auto back = fl::decode_zygote_reply(wire(fl::encode(m)));
+  EXPECT_TRUE(std::holds_alternative<M>(back));
+  return std::get<M>(back);
+}
+
+}  // namespace
+
+TEST(ZygoteProtocol, EveryMessageRoundTrips) {
+  const fl::EntryRequest entry{.name = "train",
+                               .ctx = {3, 1, 8, 2, 1, 4, {"--lr", "0.1", ""}},
+                               .env = {"PATH=/usr/bin", "RANK=3", "K=caf\xe9"}};
+  EXPECT_EQ(request_round_trip(entry), entry);
+  const fl::ExecRequest exec{.argv = {"/bin/echo", "hi"}, .env = {"A=1"}};
+  EXPECT_EQ(request_round_trip(exec), exec);
+  const fl::ExecRequest no_env{.argv = {"/bin/true"}, .env = {}};
+  EXPECT_EQ(request_round_trip(no_env), no_env);
+  const fl::CallRequest call{.function = "forkguard.data.worker"};
+  EXPECT_EQ(request_round_trip(call), call);
+  EXPECT_EQ(reply_round_trip(fl::StartedReply{.pid = 4242}), fl::StartedReply{.pid = 4242});
+  EXPECT_EQ(reply_round_trip(fl::ErrorReply{.message = "no\nluck"}),
+            fl::ErrorReply{.message = "no\nluck"});
+  EXPECT_EQ(reply_round_trip(fl::ExitReport{.pid = 12, .status = 256}),
+            (fl::ExitReport{.pid = 12, .status = 256}));
+}
+
+// The fields the Python fork server reads and writes: the same as before the messages were typed.
+TEST(ZygoteProtocol, WireFormatIsUnchanged) {
+  forkguard::launch::RankContext ctx{3, 1, 8, 2, 1, 4, {"--lr", "0.1"}};
+  EXPECT_EQ(
+      fl::encode(fl::EntryRequest{.name = "train", .ctx = ctx, .env = {"A=1", "B=2"}}),
+      (Fields{"entry", "train", "3", "1", "8", "2", "1", "4", "2", "--lr", "0.1", "A=1", "B=2"}));
+  EXPECT_EQ(fl::encode(fl::ExecRequest{.argv = {"/bin/echo", "hi"}, .env = {"A=1"}}),
+            (Fields{"exec", "2", "/bin/echo", "hi", "A=1"}));
+  EXPECT_EQ(fl::encode(fl::CallRequest{.function = "f"}), (Fields{"call", "f"}));
+  EXPECT_EQ(fl::encode(fl::StartedReply{.pid = 77}), (Fields{"started", "77"}));
+  EXPECT_EQ(fl::encode(fl::ErrorReply{.message = "why"}), (Fields{"error", "why"}));
+  EXPECT_EQ(fl::encode(fl::ExitReport{.pid = 77, .status = 9}), (Fields{"exit", "77", "9"}));
 }
 
 // atoi read "-1" as a count that wrapped to SIZE_MAX, passed the bounds check (9 + count wrapped
 // too) and built a vector from a reversed iterator range.
 TEST(ZygoteProtocol, NegativeOrOversizedCountsAreRefused) {
   EXPECT_EQ(error_of([] {
-              fl::decode_entry_request({"entry", "f", "0", "0", "1", "1", "0", "0", "-1"});
+              fl::decode_zygote_request({"entry", "f", "0", "0", "1", "1", "0", "0", "-1"});
             }),
-            "malformed entry request: argument count -1 with 0 fields after it");
+            "zygote request \"entry\": field \"args\": \"-1\" is negative");
   EXPECT_EQ(error_of([] {
-              fl::decode_entry_request({"entry", "f", "0", "0", "1", "1", "0", "0", "2", "a"});
+              fl::decode_zygote_request({"entry", "f", "0", "0", "1", "1", "0", "0", "2", "a"});
             }),
-            "malformed entry request: argument count 2 with 1 field after it");
+            "zygote request \"entry\": field \"args\": 2 items, but 1 field follows");
   EXPECT_EQ(error_of([] {
-              fl::decode_exec_request({"exec", "-1", "/bin/true"});
+              fl::decode_zygote_request({"exec", "-1", "/bin/true"});
             }),
-            "malformed exec request: argv count -1 with 1 field after it");
+            "zygote request \"exec\": field \"argv\": \"-1\" is negative");
   EXPECT_EQ(error_of([] {
-              fl::decode_exec_request({"exec", "0", "A=1"});
+              fl::decode_zygote_request({"exec", "0", "A=1"});
             }),
-            "malformed exec request: an empty argv");
+            "zygote request \"exec\": field \"argv\": 0 fields, at least 1 expected");
 }
 
-TEST(ZygoteProtocol, NumbersAreWholeDecimalInts) {
+TEST(ZygoteProtocol, ErrorsNameTheMessageAndTheField) {
   EXPECT_EQ(error_of([] {
-              fl::decode_entry_request({"entry", "f", "1x", "0", "1", "1", "0", "0", "0"});
+              fl::decode_zygote_request({"entry", "f", "0", "12x", "1", "1", "0", "0", "0"});
             }),
-            "malformed entry request: RANK (field 2) is \"1x\", not an int");
+            "zygote request \"entry\": field \"local_rank\": \"12x\" is not a whole number");
+  EXPECT_EQ(
+      error_of([] {
+        fl::decode_zygote_request({"entry", "f", "0", "0", "99999999999", "1", "0", "0", "0"});
+      }),
+      "zygote request \"entry\": field \"world_size\": \"99999999999\" is out of range "
+      "(-2147483648 to 2147483647)");
   EXPECT_EQ(error_of([] {
-              fl::decode_entry_request({"entry", "f", "0", "0", "99999999999", "1", "0", "0", "0"});
+              fl::decode_zygote_request({"entry", "f", "0", "0", "0", "1", "0", "0", "0"});
             }),
-            "malformed entry request: WORLD_SIZE (field 4) is \"99999999999\", not an int");
+            "zygote request \"entry\": field \"world_size\": 0 is below 1");
   EXPECT_EQ(error_of([] {
-              fl::decode_entry_request({"entry", "f"});
+              fl::decode_zygote_request({"entry", "f"});
             }),
-            "malformed entry request: 2 fields, at least 9 expected");
+            "zygote request \"entry\": field \"rank\" is missing");
+  EXPECT_EQ(error_of([] {
+              fl::decode_zygote_request({"call", "f", "g"});
+            }),
+            "zygote request \"call\": 1 field too many after \"function\"");
+  EXPECT_EQ(error_of([] {
+              fl::decode_zygote_request({"fork", "now"});
+            }),
+            "zygote request: unknown kind \"fork\" (expected \"entry\", \"exec\", \"call\")");
+  EXPECT_EQ(error_of([] { fl::decode_zygote_request({}); }), "zygote request: an empty message");
+  EXPECT_EQ(error_of([] {
+              fl::decode_zygote_request({"entry", "f", " 1", "0", "1", "1", "0", "0", "0"});
+            }),
+            "zygote request \"entry\": field \"rank\": \" 1\" is not a whole number");
 }
 
-TEST(ZygoteProtocol, ExitReports) {
-  EXPECT_EQ(fl::decode_exit_report({"exit", "1234", "256"}), std::make_pair(pid_t{1234}, 256));
-  EXPECT_FALSE(fl::decode_exit_report({"started", "1234"}));
-  EXPECT_FALSE(fl::decode_exit_report({"exit", "-1", "0"}));
-  EXPECT_FALSE(fl::decode_exit_report({"exit", "12", ""}));
+TEST(ZygoteProtocol, RepliesAreCheckedToo) {
+  EXPECT_EQ(error_of([] {
+              fl::decode_zygote_reply({"exit", "-1", "0"});
+            }),
+            "zygote reply \"exit\": field \"pid\": -1 is below 1");
+  EXPECT_EQ(error_of([] {
+              fl::decode_zygote_reply({"exit", "12", ""});
+            }),
+            "zygote reply \"exit\": field \"status\": \"\" is not a whole number");
+  EXPECT_EQ(error_of([] { fl::decode_zygote_reply({"started"}); }),
+            "zygote reply \"started\": field \"pid\" is missing");
+  EXPECT_EQ(error_of([] {
+              fl::decode_zygote_reply({"entry", "f"});
+            }),
+            "zygote reply: unknown kind \"entry\" (expected \"started\", \"error\", \"exit\")");
+}
+
+// The zygote functions follow the one registry rule: the first of two registrations keeps the
+// name, and an unknown name's message lists those registered and how to register one.
+TEST(ZygoteProtocol, ZygoteFunctionsFollowTheRegistryRule) {
+  auto first = [](int) { return 1; };
+  auto second = [](int) { return 2; };
+  EXPECT_TRUE(fl::register_zygote_function("test.zygote_rule", first));
+  testing::internal::CaptureStderr();
+  EXPECT_FALSE(fl::register_zygote_function("test.zygote_rule", second));
+  const std::string said = testing::internal::GetCapturedStderr();
+  EXPECT_NE(said.find("zygote function \"test.zygote_rule\" is registered twice"),
+            std::string::npos)
+      << said;
+  EXPECT_NE(said.find("zygote_protocol_test.cpp"), std::string::npos) << "names the places";
+  ASSERT_NE(fl::find_zygote_function("test.zygote_rule"), nullptr);
+  EXPECT_EQ(fl::find_zygote_function("test.zygote_rule")(-1), 1) << "the first is kept";
+  EXPECT_EQ(fl::find_zygote_function("nope"), nullptr);
+  EXPECT_EQ(fl::unknown_zygote_function("nope"),
+            "no zygote function named \"nope\" (registered: forkguard.data.worker, "
+            "test.zygote_rule); register it with register_zygote_function");
 }

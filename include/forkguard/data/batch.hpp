@@ -41,6 +41,7 @@ struct SkippedSample {
   std::string key;        // its key (Dataset::key)
   std::string reason;     // what failed
   size_t substitute = 0;  // the dataset index whose output took its place
+  bool operator==(const SkippedSample&) const = default;
 };
 
 enum class Placement { kHost, kDevice };

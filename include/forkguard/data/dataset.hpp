@@ -57,8 +57,11 @@ class Dataset {
 
 using DatasetFactory = std::function<std::unique_ptr<Dataset>(const nlohmann::json& params)>;
 // Registers a dataset type; returns true so it can initialize a static. Register at
-// static-initialization time: the fork server is a fork of the program made in init().
-bool register_dataset(const std::string& type, DatasetFactory factory);
+// static-initialization time: the fork server is a fork of the program made in init(). A type
+// registered twice keeps its first factory: the second call returns false and says so on stderr,
+// naming both places.
+bool register_dataset(const std::string& type, DatasetFactory factory,
+                      const char* file = __builtin_FILE(), int line = __builtin_LINE());
 // Rebuilds a dataset from its description; throws DataError for an unknown type.
 std::unique_ptr<Dataset> make_dataset(const Description& description);
 

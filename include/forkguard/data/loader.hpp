@@ -64,7 +64,10 @@ struct WorkerInfo {
 };
 using WorkerInit = void (*)(const WorkerInfo& info);
 // Registers a worker init hook by name (PyTorch's worker_init_fn), usable by every worker kind.
-bool register_worker_init(const std::string& name, WorkerInit fn);
+// A name registered twice keeps its first hook: the second call returns false and says so on
+// stderr, naming both places.
+bool register_worker_init(const std::string& name, WorkerInit fn,
+                          const char* file = __builtin_FILE(), int line = __builtin_LINE());
 
 struct DeviceOptions {
   bool enabled = false;  // copy batches to the GPU in the main process

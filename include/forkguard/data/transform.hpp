@@ -61,7 +61,9 @@ class Transform {
 };
 
 using TransformFactory = std::function<std::unique_ptr<Transform>(const nlohmann::json& params)>;
-bool register_transform(const std::string& type, TransformFactory factory);
+// Registers a transform type, with register_dataset's rules (the first of two keeps the name).
+bool register_transform(const std::string& type, TransformFactory factory,
+                        const char* file = __builtin_FILE(), int line = __builtin_LINE());
 std::unique_ptr<Transform> make_transform(const Description& description);
 
 // Built in: copies the sample's bytes as they are; a sample of another size is a bad sample.

@@ -28,13 +28,16 @@ struct RankContext {
   int node_rank = 0;         // GROUP_RANK
   int restart_count = 0;     // TORCHELASTIC_RESTART_COUNT
   std::vector<std::string> args;
+  bool operator==(const RankContext&) const = default;
 };
 
 using EntryFunction = int (*)(const RankContext&);
 
-// Registers fn under name; returns true (so it can initialize a static). A duplicate name aborts
-// at start-up with a message naming it.
-bool register_entry(const char* name, EntryFunction fn);
+// Registers fn under name; returns true (so it can initialize a static). A name registered twice
+// keeps its first function: the second call returns false and says so on stderr, naming both
+// places.
+bool register_entry(const char* name, EntryFunction fn, const char* file = __builtin_FILE(),
+                    int line = __builtin_LINE());
 EntryFunction find_entry(std::string_view name);  // nullptr when unknown
 std::vector<std::string> entry_names();
 
