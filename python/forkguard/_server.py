@@ -11,6 +11,7 @@
 #   server -> caller  {"op": "started", "rank", "pid"} | {"op": "error", "rank", "message"}
 #   caller -> server  {"op": "kill", "pids", "signal"}      (a rank's whole process group)
 #   caller -> server  {"op": "preload", "modules"}          -> {"op": "preloaded", ...}
+#   caller -> server  {"op": "guard_start", ...} + fds     (forkguard.guard(): _guard_child.py)
 #   server -> caller  {"op": "exit", "pid", "status"}       (the raw wait status, once per rank)
 # EOF on FD (the caller exited or closed it): every rank's group is killed, the server exits.
 #
@@ -25,7 +26,7 @@ import signal
 import socket
 import sys
 
-_MAX_FDS = 4
+_MAX_FDS = 253  # SCM_MAX_FD: a guard_start request carries its child's DupFds
 
 
 def _send(sock, msg):
@@ -41,6 +42,22 @@ def _preload(modules):
         except BaseException as e:  # noqa: BLE001 - reported to the caller, never swallowed
             errors[name] = f"{type(e).__name__}: {e}"
     return done, errors
+
+
+_guard_module = None
+
+
+def _guard_child():
+    """forkguard.guard()'s child code (_guard_child.py), loaded by path on first use."""
+    global _guard_module
+    if _guard_module is None:
+        import importlib.util
+
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_guard_child.py")
+        spec = importlib.util.spec_from_file_location("_forkguard_guard_child", path)
+        _guard_module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_guard_module)
+    return _guard_module
 
 
 def _write_all(fd, data):
@@ -141,6 +158,7 @@ def main():
     done, errors = _preload(preload)
     _send(sock, {"op": "ready", "pid": os.getpid(), "preloaded": done, "errors": errors})
     ranks = set()
+    guard_pids = set()  # forkguard.guard()'s children: in the caller's group, not their own
     poller = select.poll()
     poller.register(sock, select.POLLIN)
     poller.register(wake_r, select.POLLIN)
@@ -183,6 +201,12 @@ def main():
                                 os.killpg(pid, msg["signal"])
                             except ProcessLookupError:
                                 pass
+                elif op == "guard_start":  # forkguard.guard(): see _guard_child.py
+                    reply = _guard_child().start(fds, (sock.fileno(), wake_r, wake_w))
+                    if "pid" in reply:
+                        ranks.add(reply["pid"])
+                        guard_pids.add(reply["pid"])
+                    _send(sock, reply)
                 elif op == "preload":
                     done, errors = _preload(msg["modules"])
                     _send(sock, {"op": "preloaded", "preloaded": done, "errors": errors})
@@ -195,6 +219,7 @@ def main():
                 if pid == 0:
                     break
                 ranks.discard(pid)
+                guard_pids.discard(pid)
                 try:
                     _send(sock, {"op": "exit", "pid": pid, "status": status})
                 except OSError:
@@ -202,7 +227,7 @@ def main():
     finally:
         for pid in ranks:
             try:
-                os.killpg(pid, signal.SIGKILL)
+                (os.kill if pid in guard_pids else os.killpg)(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         for pid in list(ranks):
