@@ -365,3 +365,62 @@ def test_clean_parent_under_the_guard_forks_plainly(capfd):
 def test_guard_rejects_an_unknown_policy():
     with pytest.raises(ValueError, match="reroute, refuse, warn"):
         forkguard.guard("sometimes")
+
+
+NB_CELL1 = """\
+import ctypes, os
+cuda = ctypes.CDLL(os.environ["FORKGUARD_TEST_FAKE_CUDA"])
+print("notebook cuInit:", cuda.cuInit(0))
+import forkguard
+forkguard.guard()
+"""
+
+NB_CELL2 = """\
+import torch
+import torch.multiprocessing as tmp
+
+def fn(rank, q, t, done):
+    rc = ctypes.CDLL(os.environ["FORKGUARD_TEST_FAKE_CUDA"]).cuInit(0)
+    t[rank] = rank + 100  # the notebook's shared-memory tensor
+    q.put((rank, rc, torch.full((2,), rank)))
+    done.wait()  # the tensor's fd is served from here until the notebook has it
+
+ctx = tmp.get_context("fork")
+q, done = ctx.SimpleQueue(), ctx.Event()
+shared = torch.zeros(2).share_memory_()
+procs = tmp.start_processes(fn, args=(q, shared, done), nprocs=2, start_method="fork",
+                            join=False)
+results = sorted((r, rc, x.tolist()) for r, rc, x in (q.get() for _ in range(2)))
+done.set()
+while not procs.join():
+    pass
+print("results:", results, "shared:", shared.tolist())
+"""
+
+
+def test_notebook_start_processes_fork_after_cuinit_rerouted(fake_cuda_env, tmp_path,
+                                                             monkeypatch):
+    pytest.importorskip("torch")
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(forkguard.__file__)))
+    monkeypatch.setenv("PYTHONPATH", package_parent)
+    monkeypatch.setenv("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    marker = uuid.uuid4().hex
+    monkeypatch.setenv("FORKGUARD_GUARD_TEST", marker)
+    shm_before = _shm()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in (NB_CELL1, NB_CELL2)]
+    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    c1, c2 = ("".join(o.get("text", "") for o in c.outputs if o.get("output_type") == "stream")
+              for c in nb.cells)
+    assert "notebook cuInit: 0" in c1
+    assert "results: [(0, 0, [0, 0]), (1, 0, [1, 1])] shared: [100.0, 101.0]" in c2, c2
+    assert "clean interpreter fork server" in c2
+    deadline = time.monotonic() + 30
+    while _marked(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _marked(marker) == []
+    assert {f for f in _shm() - shm_before if f.startswith(("sem.", "torch_"))} == set()
