@@ -15,10 +15,23 @@
 # open until it exits, so the caller's Process.sentinel turns readable then, as for a fork.
 # It stays in the caller's process group (Ctrl-C reaches it as it reaches a forked child) and
 # dies with the fork server (PR_SET_PDEATHSIG), which exits when the caller does.
+import ctypes
 import os
 import pickle
 import signal
 import sys
+
+# Imported once here, in the fork server, instead of by every child: what a child needs to
+# unpickle multiprocessing's objects and to run as a multiprocessing child.
+import multiprocessing.connection  # noqa: F401
+import multiprocessing.forkserver
+import multiprocessing.heap  # noqa: F401
+import multiprocessing.popen_forkserver  # noqa: F401
+import multiprocessing.queues  # noqa: F401
+import multiprocessing.resource_sharer  # noqa: F401
+import multiprocessing.sharedctypes  # noqa: F401
+import multiprocessing.synchronize  # noqa: F401
+from multiprocessing import process, spawn
 
 
 def start(fds, close_in_child):
@@ -44,8 +57,6 @@ def _child_main(fds):
     try:
         payload_fd, sentinel_w, parent_alive_r, out_fd, err_fd, *inherited = fds
         try:
-            import ctypes
-
             ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the server
         except Exception:  # noqa: BLE001 - best effort: the server also kills it when it exits
             pass
@@ -62,14 +73,17 @@ def _child_main(fds):
             prep = pickle.load(f)
             by_value = pickle.load(f)
             environ = pickle.load(f)
-            from multiprocessing import forkserver, process, spawn
-
             os.environ.clear()
             os.environ.update(environ)
-            forkserver._forkserver._inherited_fds = inherited
+            multiprocessing.forkserver._forkserver._inherited_fds = inherited
             process.current_process()._inheriting = True
+            # The caller's __main__ importing forkguard starts no C++ fork server here: this
+            # child is a multiprocessing child, as a fork of the caller would be.
+            os.environ.setdefault("FORKGUARD_NO_FORK_SERVER", "1")
             try:
                 spawn.prepare(prep)
+                if "FORKGUARD_NO_FORK_SERVER" not in environ:
+                    del os.environ["FORKGUARD_NO_FORK_SERVER"]
                 if "init_main_from_path" not in prep and "init_main_from_name" not in prep:
                     _main_from_values(by_value)
                 self = pickle.load(f)
