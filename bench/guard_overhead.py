@@ -13,18 +13,14 @@
 
 The driver defaults to the test driver built in build/release/lib/fake_cuda/libcuda.so.1.
 """
-import argparse
-import ctypes
+# The top level is what every child of every start method imports again as __mp_main__ (spawn,
+# forkserver, and a rerouted start alike): torch and little else; the rest is imported in main().
 import multiprocessing as mp
 import os
-import statistics
 import sys
-import tempfile
 import time
 
 import torch  # noqa: F401 - the clean parent maps what a training script maps; spawn children import it
-
-import forkguard
 
 
 def noop():
@@ -34,10 +30,14 @@ def noop():
 def torch_child(q):
     import torch  # noqa: F401 - already imported when the process was forked from a warm interpreter
 
-    q.put(time.perf_counter())
+    q.put(time.perf_counter())  # CLOCK_MONOTONIC: comparable with the parent's
 
 
 def time_starts(n):
+    import statistics
+
+    import forkguard
+
     """Median seconds per Process.start() of a no-op fork child, unguarded and guarded,
     interleaved so that the machine's drift falls on both alike."""
     ctx = mp.get_context("fork")
@@ -59,6 +59,8 @@ def time_starts(n):
 def time_hook(n):
     """Seconds the guard adds to one start: its hook, with the fork itself stubbed out."""
     from multiprocessing import context
+
+    import forkguard
 
     forkguard.guard()
     real = forkguard._guard._original_popen
@@ -82,14 +84,16 @@ def time_hook(n):
 
 def time_child(ctx, n):
     """Seconds from Process.start() to the torch-importing child's first message."""
+    import statistics
+
     out = []
     for _ in range(n):
         q = ctx.SimpleQueue()
         p = ctx.Process(target=torch_child, args=(q,))
         t0 = time.perf_counter()
         p.start()
-        q.get()
-        out.append(time.perf_counter() - t0)
+        t1 = q.get()
+        out.append(t1 - t0)
         p.join()
         p.close()
         q.close()
@@ -97,6 +101,11 @@ def time_child(ctx, n):
 
 
 def main():
+    import argparse
+    import ctypes
+    import tempfile
+
+    import forkguard
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     here = os.path.dirname(os.path.abspath(__file__))
     ap.add_argument("--driver", default=os.environ.get(
