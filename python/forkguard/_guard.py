@@ -22,12 +22,9 @@ serialized on the fork server's socket only when rerouted.
 """
 from __future__ import annotations
 
-import io
 import os
-import signal
 import sys
 import threading
-import types
 import warnings
 from typing import Optional
 
@@ -95,11 +92,14 @@ def _guarded_popen(process_obj):
     if policy == "warn":
         if "warn" not in _said:
             _said.add("warn")
-            warnings.warn(
+            frame = _caller_frame()
+            warnings.warn_explicit(
                 "\n".join([f"forkguard.guard(): starting {process_obj.name} with a plain fork, "
                            f"but this process (PID {dirty.pid}) is {dirty.verdict}: its CUDA "
                            "calls will fail (CUDA_ERROR_NOT_INITIALIZED = 3)."]
-                          + _evidence_lines(dirty)), DirtyForkWarning, stacklevel=4)
+                          + _evidence_lines(dirty)), DirtyForkWarning,
+                frame.f_code.co_filename if frame else "<unknown>",
+                frame.f_lineno if frame else 0)
         return _plain_fork(original, process_obj)
     from ._guard_reroute import ReroutedPopen
 
@@ -110,6 +110,17 @@ def _guarded_popen(process_obj):
         + ["  multiprocessing's fork children are started from forkguard's clean interpreter "
            f"fork server instead (first: {process_obj.name}, PID {popen.pid}); said once."]))
     return popen
+
+
+def _caller_frame():
+    """The first frame outside multiprocessing and forkguard: the line that started the child."""
+    import multiprocessing
+
+    skip = (os.path.dirname(multiprocessing.__file__), os.path.dirname(__file__))
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame = frame.f_back
+    return frame
 
 
 def _stock_fork_popen(process_obj):

@@ -98,7 +98,7 @@ def test_refuse_raises_with_the_evidence_before_any_child_exists(script):
     assert "children: [] []" in out.stdout
 
 
-def test_warn_warns_once_with_the_evidence_then_forks(script):
+def test_warn_warns_once_with_the_evidence_then_forks(script, tmp_path):
     out = script("""
         def child(q):
             q.put(cuinit())
@@ -107,7 +107,7 @@ def test_warn_warns_once_with_the_evidence_then_forks(script):
         q = mp.SimpleQueue()
         ps = [mp.Process(target=child, args=(q,)) for _ in range(2)]
         for p in ps:
-            p.start()
+            p.start()  # the line named
         print("children cuInit:", [q.get() for _ in ps])
         for p in ps:
             p.join()
@@ -116,6 +116,9 @@ def test_warn_warns_once_with_the_evidence_then_forks(script):
     assert "children cuInit: [3, 3]" in out.stdout  # a plain fork: the child's CUDA is broken
     assert out.stderr.count("DirtyForkWarning") == 1, out.stderr
     assert "with a plain fork" in out.stderr and "nvidia-uvm" in out.stderr
+    lines = (tmp_path / "script0.py").read_text().splitlines()
+    line = next(i for i, text in enumerate(lines, 1) if "# the line named" in text)
+    assert f"script0.py:{line}" in out.stderr
 
 
 def test_os_fork_under_the_guard_warns_once_naming_the_line(script, tmp_path):
