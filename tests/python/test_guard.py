@@ -427,3 +427,14 @@ def test_notebook_start_processes_fork_after_cuinit_rerouted(fake_cuda_env, tmp_
         time.sleep(0.05)
     assert _marked(marker) == []
     assert {f for f in _shm() - shm_before if f.startswith(("sem.", "torch_"))} == set()
+
+
+def test_importing_the_cli_module_keeps_forkguard_guard_callable():
+    import forkguard.guard  # noqa: F401 - the module behind python3 -m forkguard.guard
+
+    forkguard.guard("refuse")
+    try:
+        assert forkguard._guard.guarded() == "refuse"
+    finally:
+        forkguard.unguard()
+    assert forkguard._guard.guarded() is None
