@@ -59,9 +59,16 @@ class RerouteError(ForkUnsafeError):
         self.result = result
 
 
+_seen_dirty = False  # CUDA, once initialized here, stays so: semaphores need not ask again
+
+
 def _dirty() -> Optional[ProbeResult]:
+    global _seen_dirty
     native = _native.probe_if_fork_unsafe()
-    return None if native is None else ProbeResult(native)
+    if native is None:
+        return None
+    _seen_dirty = True
+    return ProbeResult(native)
 
 
 def _evidence_lines(result: ProbeResult, n: int = 3):
@@ -171,7 +178,7 @@ def _guarded_semlock_init(self, kind, value, maxvalue, *, ctx):
         from multiprocessing import context as mp_context
 
         method = (ctx or mp_context._default_context.get_context()).get_start_method()
-        if method == "fork" and _dirty() is not None:
+        if method == "fork" and (_seen_dirty or _dirty() is not None):
             ctx = _NotForkContext()
     _original_semlock_init(self, kind, value, maxvalue, ctx=ctx)
 
