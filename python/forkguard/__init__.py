@@ -6,6 +6,7 @@
     forkguard.notebook_launch(train, nproc=2)  # ranks from a clean interpreter, torchrun's env
     forkguard.guard()                          # multiprocessing's fork: plain when fork-safe,
                                                # else from the clean interpreter fork server
+    forkguard.notebook_launcher(train, num_processes=2)  # accelerate's, same arguments
     for images, labels in forkguard.ImageLoader("/data/train", batch_size=64, workers=4):
         x = torch.from_dlpack(images)          # no copy
 
@@ -20,6 +21,7 @@ import os as _os
 from . import _native
 from . import _guard
 from ._guard import DirtyForkWarning, RerouteError, guard, unguard
+from ._accelerate import notebook_launcher
 from ._launch import RankError, default_preload, notebook_launch, start_server, stop_server
 from ._loader import ImageLoader
 from ._native import DataError, DLTensor, Error, LoaderTimeoutError, ProbeError, WorkerError
@@ -30,8 +32,8 @@ __version__ = _native.__version__
 __all__ = [
     "DLTensor", "DataError", "DirtyForkWarning", "Error", "Evidence", "ForkUnsafeError",
     "ImageLoader", "LoaderTimeoutError", "ProbeError", "ProbeResult", "RankError", "RerouteError",
-    "WorkerError", "default_preload", "ensure_fork_safe", "guard", "notebook_launch", "probe",
-    "start_server", "stop_server", "unguard",
+    "WorkerError", "default_preload", "ensure_fork_safe", "guard", "notebook_launch",
+    "notebook_launcher", "probe", "start_server", "stop_server", "unguard",
 ]
 
 if not _os.environ.get("FORKGUARD_NO_FORK_SERVER"):

@@ -2,9 +2,9 @@
 # the parent's side). Loaded by _server.py by path, never imported by the caller, and it imports
 # nothing of forkguard: the fork server stays a plain, CUDA-clean interpreter.
 #
-#   caller -> server  {"op": "guard_start", "name"}
+#   caller -> server  guard_start NAME
 #                     + fds [payload, sentinel_w, parent_alive_r, stdout, stderr, *inherited]
-#   server -> caller  {"op": "guard_started", "pid"} | {"op": "error", "message"}
+#   server -> caller  guard_started PID | error MESSAGE    (then exit PID STATUS, as for a rank)
 #
 # payload (a memfd): four pickles, read in order: multiprocessing's preparation data, __main__'s
 # functions and classes by value ({} when __main__ has a file: it is imported by path), the
@@ -41,14 +41,14 @@ def start(fds, close_in_child):
     except OSError as e:
         for f in fds:
             os.close(f)
-        return {"op": "error", "message": f"fork: {e}"}
+        return ["error", f"fork: {e}"]
     if pid == 0:
         for f in close_in_child:
             os.close(f)
         _child_main(fds)
     for f in fds:
         os.close(f)
-    return {"op": "guard_started", "pid": pid}
+    return ["guard_started", pid]
 
 
 def _child_main(fds):

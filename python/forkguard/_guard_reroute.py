@@ -128,12 +128,12 @@ class ReroutedPopen:
             os.lseek(memfd, 0, os.SEEK_SET)  # the child reads from this fd's offset
             with _launch._lock:
                 server = _server()
-                server.send({"op": "guard_start", "name": process_obj.name},
-                            [memfd, sentinel_w, alive_r, 1, 2] + self._fds)
+                _launch._wire.send(server.sock, ["guard_start", process_obj.name],
+                                   [memfd, sentinel_w, alive_r, 1, 2] + self._fds)
                 msg = server.recv(60.0)
-            if msg is None or msg["op"] != "guard_started":
+            if msg is None or msg[0] != "guard_started":
                 raise Error(f"forkguard.guard(): the fork server could not start "
-                            f"{process_obj.name}: {msg['message'] if msg else 'no answer'}")
+                            f"{process_obj.name}: {msg[1] if msg else 'no answer'}")
         except BaseException:
             os.close(sentinel_r)
             os.close(alive_w)
@@ -141,13 +141,16 @@ class ReroutedPopen:
         finally:
             for f in (memfd, sentinel_w, alive_r):
                 os.close(f)
-        self.pid = msg["pid"]
+        self.pid = int(msg[1])
         self.sentinel = sentinel_r
         self.finalizer = util.Finalize(self, util.close_fds, (sentinel_r, alive_w))
 
     def _status(self, timeout: float) -> Optional[int]:
-        """The child's wait status from the server's exit report, waiting up to timeout."""
+        """The child's wait status from the server's exit report, waiting up to timeout.
+        A report read by notebook_launch's supervisor (a launch running meanwhile) is lost to
+        us: 5 s after the child's sentinel closed without one, its status is given as 255."""
         deadline = time.monotonic() + timeout
+        exited_at = None
         while True:
             with _launch._lock:
                 server = _launch._server
@@ -162,7 +165,12 @@ class ReroutedPopen:
                 if self.pid in server.exits:
                     return server.exits.pop(self.pid)
                 sock = server.sock
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            if exited_at is None and connection.wait([self.sentinel], 0):
+                exited_at = now
+            if exited_at is not None and now - exited_at > 5.0:
+                return 255 << 8
+            left = deadline - now
             if left <= 0:
                 return None
             select.select([sock], [], [], min(left, 0.05))

@@ -23,14 +23,11 @@ class LoaderTimeoutError(Error):
 class ProbeError(Error):
     """No such process, or not allowed to inspect it."""
 
-class _RankOutput:
-    """One rank stream as the console shows it (the launcher's launch/rank_output.hpp)."""
-    def __init__(self, rank: int, prefix: bool = ..., tail_lines: int = ...) -> None: ...
-    def feed(self, data: bytes) -> bytes: ...
-    def show_due(self) -> Tuple[bytes, Optional[float]]: ...
-    def close(self) -> bytes: ...
-    @property
-    def tail(self) -> List[bytes]: ...
+def _supervise_notebook(server_pid: int, server_sock: int, payload: bytes, nproc: int,
+                        args: List[str], bind_gpus: bool, max_restarts: int, master_addr: str,
+                        master_port: Optional[int], env: Dict[str, str], grace: float,
+                        timeout: Optional[float]) -> Dict[str, Any]:
+    """notebook_launch's ranks under the C++ supervisor: {"json", "report", "memfds"}."""
 
 class _ProbeResult:
     pid: int
@@ -42,6 +39,7 @@ class _ProbeResult:
     summary: str
     cures: List[str]
 
+def visible_gpu_count() -> int: ...
 def probe(pid: Optional[int] = ...) -> _ProbeResult:
     """The CUDA state of this process (or of pid); never initializes CUDA."""
 

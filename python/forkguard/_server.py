@@ -4,33 +4,67 @@
 #
 #   python3 _server.py FD PRELOAD_JSON SYS_PATH_JSON
 #
-# Protocol on FD (an AF_UNIX SOCK_SEQPACKET socket the caller holds the other end of); each
-# message is a pickled dict, file descriptors travel with SCM_RIGHTS:
-#   server -> caller  {"op": "ready", "pid", "preloaded", "errors"}
-#   caller -> server  {"op": "start", "rank", "env", "cwd", "path"} + fds [payload, out, err, result]
-#   server -> caller  {"op": "started", "rank", "pid"} | {"op": "error", "rank", "message"}
-#   caller -> server  {"op": "kill", "pids", "signal"}      (a rank's whole process group)
-#   caller -> server  {"op": "preload", "modules"}          -> {"op": "preloaded", ...}
-#   caller -> server  {"op": "guard_start", ...} + fds     (forkguard.guard(): _guard_child.py)
-#   server -> caller  {"op": "exit", "pid", "status"}       (the raw wait status, once per rank)
+# FD is an AF_UNIX SOCK_SEQPACKET socket whose other end the caller holds. The wire format is the
+# C++ fork server's (src/launch/zygote_protocol.hpp, src/detail/seqpacket.hpp): each message is a
+# list of fields, each a native-endian u32 length and its bytes, with up to 3 fds by SCM_RIGHTS.
+# The supervisor in the caller (launch/supervisor.hpp, through ForkServer::attach) drives it:
+#   caller -> server  entry NAME RANK LOCAL WORLD LOCAL_WORLD NODE RESTART NARGS ARGS... ENV...
+#                     + fds [stdout, stderr, memfd]  (NAME "notebook", ARGS [cwd, sys.path JSON])
+#   server -> caller  started PID | error MESSAGE
+#   server -> caller  exit PID STATUS                (the raw wait status, once per rank)
+# and, from notebook_launch's own Python code:
+#   server -> caller  ready PID PRELOADED_JSON ERRORS_JSON
+#   caller -> server  preload MODULES_JSON  ->  preloaded PRELOADED_JSON ERRORS_JSON
+# and from forkguard.guard() (_guard_child.py, _guard_reroute.py):
+#   caller -> server  guard_start NAME + fds  ->  guard_started PID | error MESSAGE, then exit PID
 # EOF on FD (the caller exited or closed it): every rank's group is killed, the server exits.
 #
-# A rank: its own session (so the group can be killed with whatever it started), the caller's
-# environment, working directory and sys.path, stdout/stderr on the caller's pipes, the function
-# loaded with cloudpickle from the payload memfd; the outcome is pickled to the result pipe:
-# ("ok", value) or ("error", type name, message, traceback text, pickled exception or None).
+# A rank: its own session (so the group can be killed with whatever it started), the environment
+# the supervisor built (the same as a command rank's), the caller's working directory and
+# sys.path, stdout/stderr on the supervisor's pipes, the function loaded with cloudpickle from the
+# memfd; its outcome replaces the payload in the memfd: RESULT_MAGIC, the u64 length, then the
+# pickled ("ok", value) or ("error", type name, message, traceback text, pickled exception or
+# None) or ("exit", code). A length the bytes do not reach means the rank died mid-write.
+import json
 import os
 import pickle
 import select
 import signal
 import socket
+import struct
 import sys
 
 _MAX_FDS = 253  # SCM_MAX_FD: a guard_start request carries its child's DupFds
+_MAX_MESSAGE = 4 << 20
+RESULT_MAGIC = b"FGRESULT"
+_HEADER = struct.Struct("=8sQ")
 
 
-def _send(sock, msg):
-    sock.sendmsg([pickle.dumps(msg)])
+def encode(fields):
+    out = bytearray()
+    for f in fields:
+        b = f if isinstance(f, bytes) else str(f).encode()
+        out += struct.pack("=I", len(b)) + b
+    return bytes(out)
+
+
+def decode(data):
+    fields, pos = [], 0
+    while pos + 4 <= len(data):
+        (n,) = struct.unpack_from("=I", data, pos)
+        pos += 4
+        if pos + n > len(data):
+            break
+        fields.append(data[pos:pos + n].decode(errors="surrogateescape"))
+        pos += n
+    return fields
+
+
+def send(sock, fields, fds=()):
+    if fds:
+        socket.send_fds(sock, [encode(fields)], list(fds))
+    else:
+        sock.sendmsg([encode(fields)])
 
 
 def _preload(modules):
@@ -60,16 +94,18 @@ def _guard_child():
     return _guard_module
 
 
-def _write_all(fd, data):
-    view = memoryview(data)
+def _write_outcome(fd, data):
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, _HEADER.pack(RESULT_MAGIC, len(data)), 0)
+    view, at = memoryview(data), _HEADER.size
     while view:
-        n = os.write(fd, view)
-        view = view[n:]
+        n = os.pwrite(fd, view, at)
+        view, at = view[n:], at + n
 
 
-def _rank_main(msg, fds):
+def _rank_main(fields, fds):
     """Runs in the forked rank; never returns."""
-    payload_fd, out_fd, err_fd, result_fd = fds
+    out_fd, err_fd, memfd = fds
     code = 1
     try:
         os.setsid()
@@ -82,24 +118,27 @@ def _rank_main(msg, fds):
         for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
         signal.set_wakeup_fd(-1)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
         os.dup2(out_fd, 1)
         os.dup2(err_fd, 2)
         os.close(out_fd)
         os.close(err_fd)
         sys.stdout.reconfigure(line_buffering=True)
         sys.stderr.reconfigure(line_buffering=True)
+        nargs = int(fields[8])
+        cwd, path = fields[9], json.loads(fields[10])
+        env = dict(kv.split("=", 1) for kv in fields[9 + nargs:] if "=" in kv)
         os.environ.clear()
-        os.environ.update(msg["env"])
-        os.chdir(msg["cwd"])
-        sys.path[:] = msg["path"]
-        size = os.fstat(payload_fd).st_size
-        payload = os.pread(payload_fd, size, 0)
-        os.close(payload_fd)
+        os.environ.update(env)
+        os.chdir(cwd)
+        sys.path[:] = path
+        payload = os.pread(memfd, os.fstat(memfd).st_size, 0)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         import cloudpickle
 
         try:
             fn, args, kwargs = cloudpickle.loads(payload)
+            del payload
             value = fn(*args, **kwargs)
             outcome = ("ok", value)
             code = 0
@@ -115,13 +154,13 @@ def _rank_main(msg, fds):
                 exc = None
             outcome = ("error", type(e).__name__, str(e), traceback.format_exc(), exc)
         try:
-            data = cloudpickle.dumps(outcome)
+            data = cloudpickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:  # noqa: BLE001 - an unpicklable return value is an error
             data = pickle.dumps(("error", type(e).__name__,
                                  f"the return value could not be pickled: {e}", "", None))
             code = code or 1
-        _write_all(result_fd, data)
-        os.close(result_fd)
+        _write_outcome(memfd, data)
+        os.close(memfd)
     except BaseException as e:  # noqa: BLE001 - the rank's setup failed: say so on its stderr
         try:
             os.write(2, f"forkguard rank setup failed: {type(e).__name__}: {e}\n".encode())
@@ -139,8 +178,6 @@ def _rank_main(msg, fds):
 def main():
     sock = socket.socket(fileno=int(sys.argv[1]))
     os.set_inheritable(sock.fileno(), False)
-    import json
-
     preload = json.loads(sys.argv[2])
     caller_path = json.loads(sys.argv[3])
     if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
@@ -156,7 +193,7 @@ def main():
     import cloudpickle  # noqa: F401 - every rank needs it: load it once here
 
     done, errors = _preload(preload)
-    _send(sock, {"op": "ready", "pid": os.getpid(), "preloaded": done, "errors": errors})
+    send(sock, ["ready", os.getpid(), json.dumps(done), json.dumps(errors)])
     ranks = set()
     guard_pids = set()  # forkguard.guard()'s children: in the caller's group, not their own
     poller = select.poll()
@@ -172,44 +209,44 @@ def main():
                     except BlockingIOError:
                         pass
                     continue
-                data, fds, _, _ = socket.recv_fds(sock, 1 << 20, _MAX_FDS)
+                data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, _MAX_FDS)
                 if not data:
                     return
-                msg = pickle.loads(data)
-                op = msg["op"]
-                if op == "start":
+                fields = decode(data)
+                op = fields[0] if fields else ""
+                if op == "entry" and fields[1] == "notebook" and len(fds) == 3 and \
+                        len(fields) >= 11 and int(fields[8]) == 2:
                     try:
                         pid = os.fork()
                     except OSError as e:
                         for f in fds:
                             os.close(f)
-                        _send(sock, {"op": "error", "rank": msg["rank"], "message": str(e)})
+                        send(sock, ["error", f"fork: {e}"])
                         continue
                     if pid == 0:
                         sock.close()
                         os.close(wake_r)
                         os.close(wake_w)
-                        _rank_main(msg, fds)
+                        _rank_main(fields, fds)
                     for f in fds:
                         os.close(f)
                     ranks.add(pid)
-                    _send(sock, {"op": "started", "rank": msg["rank"], "pid": pid})
-                elif op == "kill":
-                    for pid in msg["pids"]:
-                        if pid in ranks:
-                            try:
-                                os.killpg(pid, msg["signal"])
-                            except ProcessLookupError:
-                                pass
+                    send(sock, ["started", pid])
                 elif op == "guard_start":  # forkguard.guard(): see _guard_child.py
                     reply = _guard_child().start(fds, (sock.fileno(), wake_r, wake_w))
-                    if "pid" in reply:
-                        ranks.add(reply["pid"])
-                        guard_pids.add(reply["pid"])
-                    _send(sock, reply)
+                    if reply[0] == "guard_started":
+                        ranks.add(reply[1])
+                        guard_pids.add(reply[1])
+                    send(sock, reply)
                 elif op == "preload":
-                    done, errors = _preload(msg["modules"])
-                    _send(sock, {"op": "preloaded", "preloaded": done, "errors": errors})
+                    done, errors = _preload(json.loads(fields[1]))
+                    send(sock, ["preloaded", json.dumps(done), json.dumps(errors)])
+                else:
+                    for f in fds:
+                        os.close(f)
+                    what = f"entry {fields[1]!r}" if op == "entry" and len(fields) > 1 else op
+                    send(sock, ["error", f"the Python fork server cannot start {what or 'that'}"
+                                         " (it starts notebook_launch ranks only)"])
             # Reap after every wake-up: SIGCHLD only says "at least one".
             while ranks:
                 try:
@@ -221,7 +258,7 @@ def main():
                 ranks.discard(pid)
                 guard_pids.discard(pid)
                 try:
-                    _send(sock, {"op": "exit", "pid": pid, "status": status})
+                    send(sock, ["exit", pid, status])
                 except OSError:
                     return
     finally:

@@ -1,8 +1,9 @@
 // forkguard._native: the pybind11 layer under the Python package `forkguard`.
 //
 // It binds the probe (with the doctor's cures), the image loader and its batches as DLPack
-// producers, and the C++ fork server process workers come from. Policy that is easier to read in
-// Python (notebook_launch, argument checking, defaults) lives in python/forkguard/*.py.
+// producers, the C++ fork server process workers come from, and (notebook.cpp) notebook_launch's
+// supervision by the C++ supervisor. Policy that is easier to read in Python (argument checking,
+// defaults, cloudpickle, RankError) lives in python/forkguard/*.py.
 //
 // The hot path: ImageLoader.next() releases the GIL for the whole wait and takes the loader's own
 // mutex (one consumer at a time, as the C++ Loader requires); a batch becomes a DLTensor that
@@ -33,12 +34,14 @@
 #include "forkguard/data/tar_shards.hpp"
 #include "forkguard/doctor/report.hpp"
 #include "forkguard/error.hpp"
+#include "forkguard/launch/gpu_plan.hpp"
 #include "forkguard/probe/cuda_state.hpp"
 #include "forkguard/version.hpp"
 #include "launch/fork_server.hpp"
-#include "launch/rank_output.hpp"
 
 namespace py = pybind11;
+
+void bind_notebook(py::module_& m);
 namespace fd = forkguard::data;
 namespace probe = forkguard::probe;
 
@@ -454,42 +457,7 @@ PYBIND11_MODULE(_native, m) {
   g_probe_error = probe_error;
   py::register_exception_translator(&translate_errors);  // tried before the plain ones
 
-  // One rank stream as the console shows it: the launcher's own code (launch/rank_output.hpp),
-  // so notebook_launch prints ranks exactly as `forkguard run` does.
-  using forkguard::launch::detail::RankOutput;
-  py::class_<RankOutput>(m, "_RankOutput")
-      .def(py::init([](int rank, bool prefix, size_t tail_lines) {
-             return RankOutput({.rank = rank, .prefix = prefix, .tail_lines = tail_lines});
-           }),
-           py::arg("rank"), py::arg("prefix") = true, py::arg("tail_lines") = 0)
-      .def("feed",
-           [](RankOutput& self, py::bytes data) {
-             std::string out;
-             self.feed(std::string_view(data), RankOutput::Clock::now(), out);
-             return py::bytes(out);
-           })
-      .def("show_due",
-           [](RankOutput& self) -> py::tuple {
-             std::string out;
-             auto now = RankOutput::Clock::now();
-             auto next = self.show_due(now, out);
-             py::object wait = py::none();
-             if (next != RankOutput::Clock::time_point{}) {
-               wait = py::float_(std::chrono::duration<double>(next - now).count());
-             }
-             return py::make_tuple(py::bytes(out), wait);
-           })
-      .def("close",
-           [](RankOutput& self) {
-             std::string out;
-             self.close(out);
-             return py::bytes(out);
-           })
-      .def_property_readonly("tail", [](const RankOutput& self) {
-        py::list lines;  // bytes: a rank may write anything
-        for (const auto& l : self.tail()) lines.append(py::bytes(l));
-        return lines;
-      });
+  bind_notebook(m);  // notebook_launch's supervision (notebook.cpp)
 
   py::class_<ProbeResult>(m, "_ProbeResult")
       .def_property_readonly("pid", [](const ProbeResult& r) { return r.state.pid; })
@@ -520,6 +488,15 @@ PYBIND11_MODULE(_native, m) {
         return py::cast(std::move(*r));
       },
       "None when this process is fork-safe, else its probe (as probe() gives it).");
+
+  m.def(
+      "visible_gpu_count",
+      []() {
+        return forkguard::launch::count_visible_gpus(forkguard::cuda::discover_gpus(),
+                                                     forkguard::cuda::visible_devices_from_env());
+      },
+      "The GPUs CUDA would show this process (NVML or /proc, CUDA_VISIBLE_DEVICES applied; "
+      "never initializes CUDA): what `forkguard run --nproc-per-node gpu` starts.");
 
   m.def("start_fork_server", &start_fork_server,
         "Starts the C++ fork server process workers come from, if this process is fork-safe.");

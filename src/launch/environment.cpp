@@ -16,6 +16,7 @@
 #include "detail/fd.hpp"
 #include "forkguard/error.hpp"
 #include "forkguard/launch/hostlist.hpp"
+#include "launch/init_state.hpp"
 
 extern char** environ;
 
@@ -216,7 +217,7 @@ void check_master_addr(const Placement& place) {
 
 EnvMap rank_environment(const Placement& place, int local_rank, int restart_count,
                         const Options& options) {
-  const int rank = place.node_rank * place.nproc + local_rank;
+  const int rank = place.rank_of(local_rank);
   EnvMap env = options.env;
   auto set = [&env](const char* k, auto v) { env[k] = fmt::format("{}", v); };
   set("RANK", rank);
@@ -236,8 +237,20 @@ EnvMap rank_environment(const Placement& place, int local_rank, int restart_coun
   return env;
 }
 
+EnvMap rank_process_environment(EnvMap base, const Placement& place, int local_rank,
+                                int restart_count, const Options& options,
+                                const std::optional<std::string>& visible_devices) {
+  EnvMap env = std::move(base);
+  env.erase(
+      launch::detail::kEntryVariable);  // set again by the spawn starter, for its own ranks only
+  for (auto& [k, v] : rank_environment(place, local_rank, restart_count, options)) env[k] = v;
+  if (options.nproc > 1 && env.count("OMP_NUM_THREADS") == 0) env["OMP_NUM_THREADS"] = "1";
+  if (visible_devices) env["CUDA_VISIBLE_DEVICES"] = *visible_devices;
+  return env;
+}
+
 int free_loopback_port() {
-  detail::UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  forkguard::detail::UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!fd) throw SystemError("socket(AF_INET)", errno);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;

@@ -240,7 +240,16 @@ void ForkServer::start() {
   });
 }
 
+std::unique_ptr<ForkServer> ForkServer::attach(pid_t pid, int sock) {
+  int own = ::fcntl(sock, F_DUPFD_CLOEXEC, 3);
+  if (own < 0) throw SystemError("fork server: dup of the attached socket", errno);
+  std::unique_ptr<ForkServer> s(new ForkServer(pid, own));
+  s->attached_ = true;
+  return s;
+}
+
 std::string ForkServer::replace_dead_zygote() {
+  if (attached_) throw SpawnError(fmt::format("the fork server (PID {}) closed its socket", pid_));
   // Its socket is closed: it has exited, or is about to. Reap it (SIGKILL in case it lingers).
   int status = 0;
   pid_t r = ::waitpid(pid_, &status, WNOHANG);
@@ -346,8 +355,9 @@ pid_t ForkServer::request(const std::vector<std::string>& fields, int stdout_fd,
 }
 
 pid_t ForkServer::start_entry(const std::string& entry, const RankContext& ctx,
-                              const std::vector<std::string>& env, int stdout_fd, int stderr_fd) {
-  return request(encode_entry_request(entry, ctx, env), stdout_fd, stderr_fd);
+                              const std::vector<std::string>& env, int stdout_fd, int stderr_fd,
+                              int extra_fd) {
+  return request(encode_entry_request(entry, ctx, env), stdout_fd, stderr_fd, extra_fd);
 }
 
 pid_t ForkServer::start_exec(const std::vector<std::string>& argv,

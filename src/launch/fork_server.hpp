@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -26,11 +27,17 @@ class ForkServer {
   static ForkServer* get();
   // Forks the zygote. Called by init() only.
   static void start();
+  // A fork server someone else started that speaks the same protocol (notebook_launch's Python
+  // interpreter server, python/forkguard/_server.py): `sock` is duplicated, the caller keeps its
+  // own. A dead one is not replaced: a request then throws SpawnError.
+  static std::unique_ptr<ForkServer> attach(pid_t pid, int sock);
 
   // Asks the zygote to fork a rank running `entry`, or to fork+exec argv; `env` is the complete
   // environment ("K=V"). Returns the rank's PID; throws SpawnError with the zygote's reason.
+  // `extra_fd` (optional) travels with an entry request as the rank's third fd.
   pid_t start_entry(const std::string& entry, const RankContext& ctx,
-                    const std::vector<std::string>& env, int stdout_fd, int stderr_fd);
+                    const std::vector<std::string>& env, int stdout_fd, int stderr_fd,
+                    int extra_fd = -1);
   pid_t start_exec(const std::vector<std::string>& argv, const std::vector<std::string>& env,
                    int stdout_fd, int stderr_fd);
 
@@ -57,6 +64,7 @@ class ForkServer {
 
   pid_t pid_;
   forkguard::detail::UniqueFd sock_;
+  bool attached_ = false;  // not ours to replace
   std::mutex mutex_;
   std::vector<std::pair<pid_t, int>> exits_;
   std::vector<std::string> reply_;

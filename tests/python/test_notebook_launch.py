@@ -1,6 +1,7 @@
 """forkguard.notebook_launch: torchrun's environment, [rankN] output, a rank's exception re-raised
 here with its traceback, Ctrl-C and failures stopping every rank, restarts, nothing left running,
 and 2 no-op ranks in under 100 ms once the fork server is up (torch preloaded)."""
+import json
 import os
 import signal
 import threading
@@ -71,7 +72,7 @@ def test_exception_in_a_rank_is_raised_here_and_stops_the_others():
     assert e.rank == 1 and e.exc_type == "ValueError"
     assert "rank 1 failed: ValueError: boom in rank one" in str(e)
     assert "Traceback" in e.traceback and "in failing" in e.traceback
-    assert "rank 0" in e.report and "stopped by forkguard" in e.report
+    assert "(stopped by the launcher)" in e.report and "(root cause)" in e.report
     assert isinstance(e.__cause__, ValueError)
     assert server_children() == []
 
@@ -106,6 +107,21 @@ def test_keyboard_interrupt_stops_every_rank():
     with pytest.raises(KeyboardInterrupt):
         forkguard.notebook_launch(sleeper, nproc=2)
     assert time.monotonic() - t0 < 10
+    assert server_children() == []
+
+
+def test_a_timeout_stops_every_rank_and_says_so():
+    def sleeper():
+        time.sleep(60)
+
+    t0 = time.monotonic()
+    with pytest.raises(forkguard.RankError) as info:
+        forkguard.notebook_launch(sleeper, nproc=2, timeout=0.5, grace=1.0)
+    assert time.monotonic() - t0 < 10
+    e = info.value
+    assert e.rank is None and str(e).startswith("timed out after 0.5 s"), str(e)
+    assert "timed out: every rank was stopped" in e.report
+    assert json.loads(e.json)["timed_out"] is True
     assert server_children() == []
 
 
@@ -146,21 +162,22 @@ def test_a_200_mb_return_value_arrives_in_linear_time():
 
 
 def cut_short():
-    """Writes the first bytes of a pickled return value to the rank's result pipe (its one
-    write-only pipe past stderr), then exits 0: what the caller sees when a rank dies mid-send."""
-    import fcntl
+    """Writes the header and the first bytes of a pickled return value to the rank's memfd (the
+    one its outcome goes to), then exits 0: what the caller sees when a rank dies mid-write."""
     import pickle
+    from forkguard import _server
+    data = pickle.dumps(("ok", b"x" * 100000))
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
-        if fd > 2 and target.startswith("pipe:") and \
-                fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_WRONLY:
-            os.write(fd, pickle.dumps(("ok", b"x" * 100000))[:5000])
+        if target.startswith("/memfd:forkguard-notebook-rank"):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, _server._HEADER.pack(_server.RESULT_MAGIC, len(data)) + data[:5000], 0)
             os._exit(0)
-    raise RuntimeError("no result pipe found")
+    raise RuntimeError("no result memfd found")
 
 
 def test_a_return_value_cut_short_is_a_rank_error():
@@ -168,7 +185,7 @@ def test_a_return_value_cut_short_is_a_rank_error():
         forkguard.notebook_launch(cut_short, nproc=1)
     msg = str(err.value)
     assert "rank 0 failed: TruncatedResult: rank 0's return value arrived incomplete (5000 " \
-        "bytes)" in msg, msg
+        "bytes of " in msg, msg
     assert server_children() == []
 
 

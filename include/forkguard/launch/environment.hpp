@@ -38,6 +38,8 @@ struct Placement {
   std::string master_addr_from = "the default";  // where master_addr came from, for messages
   std::string master_port_from = "the default";
   int world_size() const { return nnodes * nproc; }
+  // The rank formula, the one place it is written: node after node, local ranks in order.
+  int rank_of(int local_rank) const { return node_rank * nproc + local_rank; }
 };
 
 // The job's placement does not fit together: numbers out of range, several forkguard tasks on
@@ -58,6 +60,14 @@ void check_master_addr(const Placement& place);
 // The variables forkguard sets for one rank (not the inherited environment).
 EnvMap rank_environment(const Placement& place, int local_rank, int restart_count,
                         const Options& options);
+
+// The whole environment of one rank, for every start method and for notebook_launch alike:
+// `base` (this process's environment, current_environment()) without forkguard's own entry
+// variable, then rank_environment(), then OMP_NUM_THREADS=1 when it is still unset and nproc > 1,
+// then CUDA_VISIBLE_DEVICES=`visible_devices` when the GPU plan gives the rank its own.
+EnvMap rank_process_environment(EnvMap base, const Placement& place, int local_rank,
+                                int restart_count, const Options& options,
+                                const std::optional<std::string>& visible_devices);
 
 EnvMap current_environment();
 

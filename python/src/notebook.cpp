@@ -1,0 +1,151 @@
+// forkguard._native._supervise_notebook: notebook_launch's ranks supervised by the C++ supervisor
+// (launch/supervisor.hpp), the same one `forkguard run` uses: same rank environment, same stop
+// policy, same output prefix and report. The ranks come from the interpreter fork server
+// (python/forkguard/_server.py), attached by PID and socket; it speaks the C++ fork server's
+// protocol.
+//
+// Per rank and attempt a memfd carries the cloudpickled function in and the rank's pickled
+// outcome out (no pipe to drain while the rank runs: a 200 MB return value is one copy each way).
+// The memfds of the last attempt are handed to Python, which reads the outcomes.
+//
+// The GIL is released for the whole launch; it is taken only to write rank output to
+// sys.stdout / sys.stderr and, every kInterruptPoll, to run Python's signal handlers: a
+// KeyboardInterrupt there forwards SIGINT to the ranks, waits for them by the stop policy, then
+// propagates.
+//
+// Thread-safety: one launch at a time per process (the supervisor's rule).
+#include <Python.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "detail/fd.hpp"
+#include "forkguard/error.hpp"
+#include "forkguard/launch/launcher.hpp"
+#include "launch/fork_server.hpp"
+#include "launch/supervisor.hpp"
+
+namespace py = pybind11;
+namespace fl = forkguard::launch;
+
+namespace {
+
+py::str decode_text(std::string_view text) {
+  PyObject* o = PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()), "replace");
+  if (o == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(o);
+}
+
+// Rank output and notices to sys.stdout / sys.stderr as they are when written (a notebook's
+// cell output, pytest's capture), not to fd 1 and 2.
+class PythonSink final : public fl::detail::OutputSink {
+ public:
+  void rank_output(int, bool is_err, std::string_view text) override {
+    write(is_err ? "stderr" : "stdout", text);
+  }
+  void notice(std::string_view text) override {
+    write("stderr", "forkguard: " + std::string(text) + "\n");
+  }
+
+ private:
+  static void write(const char* stream, std::string_view text) {
+    py::gil_scoped_acquire gil;
+    py::object s = py::module_::import("sys").attr(stream);
+    s.attr("write")(decode_text(text));
+    s.attr("flush")();
+  }
+};
+
+py::dict supervise_notebook(int server_pid, int server_sock, const py::bytes& payload_bytes,
+                            int nproc, const std::vector<std::string>& args, bool bind_gpus,
+                            int max_restarts, const std::string& master_addr,
+                            std::optional<int> master_port,
+                            const std::map<std::string, std::string>& env, double grace,
+                            std::optional<double> timeout) {
+  fl::Options o;
+  o.nproc = nproc;
+  o.start = fl::StartMethod::kForkServer;
+  o.gpus.bind = bind_gpus;
+  o.max_restarts = max_restarts;
+  o.nodes.nnodes = 1;  // a notebook is one node: no Slurm / MPI placement from its environment
+  o.nodes.node_rank = 0;
+  o.nodes.master_addr = master_addr;
+  o.nodes.master_port = master_port;
+  o.nodes.standalone = !master_port.has_value();
+  o.env = env;
+  o.stop.grace = std::chrono::milliseconds(static_cast<long long>(grace * 1000));
+  if (timeout) o.timeout = std::chrono::milliseconds(static_cast<long long>(*timeout * 1000));
+
+  const std::string payload(payload_bytes);
+  std::vector<forkguard::detail::UniqueFd> memfds(static_cast<size_t>(nproc));
+  auto server = fl::detail::ForkServer::attach(server_pid, server_sock);
+  fl::detail::Job job;
+  job.entry = "notebook";
+  job.args = args;
+  job.server = server.get();
+  job.rank_fd = [&](int local_rank, int) {
+    forkguard::detail::UniqueFd fd(::memfd_create("forkguard-notebook-rank", MFD_CLOEXEC));
+    if (!fd) throw forkguard::SystemError("memfd_create for a notebook rank", errno);
+    for (size_t at = 0; at < payload.size();) {
+      ssize_t n =
+          ::pwrite(fd.get(), payload.data() + at, payload.size() - at, static_cast<off_t>(at));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) throw forkguard::SystemError("writing a notebook rank's payload", errno);
+      at += static_cast<size_t>(n);
+    }
+    auto& slot = memfds[static_cast<size_t>(local_rank)];
+    slot = std::move(fd);  // the previous attempt's outcome is not needed any more
+    return slot.get();
+  };
+
+  PythonSink sink;
+  std::optional<py::error_already_set> interrupt;  // what Python's signal handler raised
+  auto interrupted = [&]() -> int {
+    if (interrupt) return 0;
+    py::gil_scoped_acquire gil;
+    if (PyErr_CheckSignals() == 0) return 0;
+    interrupt.emplace();  // fetches the error (KeyboardInterrupt)
+    return SIGINT;
+  };
+  fl::Result result;
+  {
+    py::gil_scoped_release release;
+    try {
+      result = fl::detail::supervise(o, job, {.sink = &sink, .interrupted = interrupted});
+    } catch (const fl::RankFailedError& e) {
+      result = e.result();
+    }
+  }
+  if (interrupt) {
+    interrupt->restore();
+    throw py::error_already_set();
+  }
+  py::list fds;
+  for (auto& fd : memfds) fds.append(fd ? py::int_(fd.release()) : py::int_(-1));
+  py::dict out;
+  out["json"] = result.to_json();
+  out["report"] = result.report();
+  out["memfds"] = fds;
+  return out;
+}
+
+}  // namespace
+
+void bind_notebook(py::module_& m) {
+  m.def("_supervise_notebook", &supervise_notebook, py::arg("server_pid"), py::arg("server_sock"),
+        py::arg("payload"), py::arg("nproc"), py::arg("args"), py::arg("bind_gpus"),
+        py::arg("max_restarts"), py::arg("master_addr"), py::arg("master_port"), py::arg("env"),
+        py::arg("grace"), py::arg("timeout"),
+        "notebook_launch's ranks under the C++ supervisor; returns the result as JSON, the "
+        "report and each rank's memfd (its outcome), by local rank.");
+}
