@@ -4,6 +4,8 @@
     forkguard.probe()                          # this process's CUDA state, never initializing it
     forkguard.ensure_fork_safe()               # raises ForkUnsafeError with evidence and cures
     forkguard.notebook_launch(train, nproc=2)  # ranks from a clean interpreter, torchrun's env
+    forkguard.guard()                          # multiprocessing's fork: plain when fork-safe,
+                                               # else from the clean interpreter fork server
     forkguard.notebook_launcher(train, num_processes=2)  # accelerate's, same arguments
     for images, labels in forkguard.ImageLoader("/data/train", batch_size=64, workers=4):
         x = torch.from_dlpack(images)          # no copy
@@ -12,10 +14,13 @@ At import, while this process is still fork-safe, forkguard starts its C++ fork 
 fork of this process that forks ImageLoader's process workers, so they stay CUDA-clean even
 after this process initializes CUDA). FORKGUARD_NO_FORK_SERVER=1 turns that off; process
 workers then come from a guarded fork, refused once CUDA is initialized here.
+FORKGUARD_GUARD=reroute|refuse|warn calls guard() with that policy at import.
 """
 import os as _os
 
 from . import _native
+from . import _guard
+from ._guard import DirtyForkWarning, RerouteError, guard, unguard
 from ._accelerate import notebook_launcher
 from ._launch import RankError, default_preload, notebook_launch, start_server, stop_server
 from ._loader import ImageLoader
@@ -25,11 +30,13 @@ from ._probe import Evidence, ForkUnsafeError, ProbeResult, ensure_fork_safe, pr
 __version__ = _native.__version__
 
 __all__ = [
-    "DLTensor", "DataError", "Error", "Evidence", "ForkUnsafeError", "ImageLoader",
-    "LoaderTimeoutError", "ProbeError", "ProbeResult", "RankError", "WorkerError",
-    "default_preload", "ensure_fork_safe", "notebook_launch", "notebook_launcher", "probe",
-    "start_server", "stop_server",
+    "DLTensor", "DataError", "DirtyForkWarning", "Error", "Evidence", "ForkUnsafeError",
+    "ImageLoader", "LoaderTimeoutError", "ProbeError", "ProbeResult", "RankError", "RerouteError",
+    "WorkerError", "default_preload", "ensure_fork_safe", "guard", "notebook_launch",
+    "notebook_launcher", "probe", "start_server", "stop_server", "unguard",
 ]
 
 if not _os.environ.get("FORKGUARD_NO_FORK_SERVER"):
     _native.start_fork_server()
+
+_guard.guard_from_environment()

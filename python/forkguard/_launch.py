@@ -79,6 +79,7 @@ class _Server:
         self.sock = ours
         self.pid = self.proc.pid
         self.ready = None  # the "ready" message's fields, once received
+        self.exits: Dict[int, int] = {}  # exit reports read here: forkguard.guard()'s children
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -98,7 +99,9 @@ class _Server:
                 raise Error(f"notebook_launch: the fork server (PID {self.pid}) exited "
                             f"(status {self.proc.wait()})")
             fields = _wire.decode(data)
-            if fields and fields[0] != "exit":
+            if fields and fields[0] == "exit" and len(fields) == 3:
+                self.exits[int(fields[1])] = int(fields[2])  # claimed by _guard_reroute.py
+            elif fields:
                 return fields
 
     def wait_ready(self, timeout: float = 300.0):

@@ -43,6 +43,8 @@ def visible_gpu_count() -> int: ...
 def probe(pid: Optional[int] = ...) -> _ProbeResult:
     """The CUDA state of this process (or of pid); never initializes CUDA."""
 
+def probe_if_fork_unsafe() -> Optional[_ProbeResult]: ...
+
 def start_fork_server() -> bool:
     """Starts the C++ fork server process workers come from, if this process is fork-safe and
     owns none; returns whether it owns one now."""

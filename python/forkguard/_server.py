@@ -15,6 +15,8 @@
 # and, from notebook_launch's own Python code:
 #   server -> caller  ready PID PRELOADED_JSON ERRORS_JSON
 #   caller -> server  preload MODULES_JSON  ->  preloaded PRELOADED_JSON ERRORS_JSON
+# and from forkguard.guard() (_guard_child.py, _guard_reroute.py):
+#   caller -> server  guard_start NAME + fds  ->  guard_started PID | error MESSAGE, then exit PID
 # EOF on FD (the caller exited or closed it): every rank's group is killed, the server exits.
 #
 # A rank: its own session (so the group can be killed with whatever it started), the environment
@@ -33,7 +35,7 @@ import socket
 import struct
 import sys
 
-_MAX_FDS = 3
+_MAX_FDS = 253  # SCM_MAX_FD: a guard_start request carries its child's DupFds
 _MAX_MESSAGE = 4 << 20
 RESULT_MAGIC = b"FGRESULT"
 _HEADER = struct.Struct("=8sQ")
@@ -75,6 +77,22 @@ def _preload(modules):
         except BaseException as e:  # noqa: BLE001 - reported to the caller, never swallowed
             errors[name] = f"{type(e).__name__}: {e}"
     return done, errors
+
+
+_guard_module = None
+
+
+def _guard_child():
+    """forkguard.guard()'s child code (_guard_child.py), loaded by path on first use."""
+    global _guard_module
+    if _guard_module is None:
+        import importlib.util
+
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_guard_child.py")
+        spec = importlib.util.spec_from_file_location("_forkguard_guard_child", path)
+        _guard_module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_guard_module)
+    return _guard_module
 
 
 def _write_outcome(fd, outcome):
@@ -183,6 +201,7 @@ def main():
     done, errors = _preload(preload)
     send(sock, ["ready", os.getpid(), json.dumps(done), json.dumps(errors)])
     ranks = set()
+    guard_pids = set()  # forkguard.guard()'s children: in the caller's group, not their own
     poller = select.poll()
     poller.register(sock, select.POLLIN)
     poller.register(wake_r, select.POLLIN)
@@ -219,6 +238,12 @@ def main():
                         os.close(f)
                     ranks.add(pid)
                     send(sock, ["started", pid])
+                elif op == "guard_start":  # forkguard.guard(): see _guard_child.py
+                    reply = _guard_child().start(fds, (sock.fileno(), wake_r, wake_w))
+                    if reply[0] == "guard_started":
+                        ranks.add(reply[1])
+                        guard_pids.add(reply[1])
+                    send(sock, reply)
                 elif op == "preload":
                     done, errors = _preload(json.loads(fields[1]))
                     send(sock, ["preloaded", json.dumps(done), json.dumps(errors)])
@@ -237,6 +262,7 @@ def main():
                 if pid == 0:
                     break
                 ranks.discard(pid)
+                guard_pids.discard(pid)
                 try:
                     send(sock, ["exit", pid, status])
                 except OSError:
@@ -244,7 +270,7 @@ def main():
     finally:
         for pid in ranks:
             try:
-                os.killpg(pid, signal.SIGKILL)
+                (os.kill if pid in guard_pids else os.killpg)(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         for pid in list(ranks):

@@ -472,6 +472,23 @@ PYBIND11_MODULE(_native, m) {
       .def_readonly("cures", &ProbeResult::cures);
   m.def("probe", &make_probe, py::arg("pid") = py::none(),
         "The CUDA state of this process (or of pid); never initializes CUDA.");
+  // forkguard.guard()'s check at every Process.start(): microseconds when no driver is mapped.
+  m.def(
+      "probe_if_fork_unsafe",
+      []() -> py::object {
+        std::optional<ProbeResult> r;
+        {
+          py::gil_scoped_release release;
+          if (auto state = probe::self_if_fork_unsafe()) {
+            auto report = forkguard::doctor::diagnose(*state, {.environment = false});
+            r = ProbeResult{std::move(*state), report.summary, report.advice};
+          }
+        }
+        if (!r) return py::none();
+        return py::cast(std::move(*r));
+      },
+      "None when this process is fork-safe, else its probe (as probe() gives it).");
+
   m.def(
       "visible_gpu_count",
       []() {

@@ -36,4 +36,18 @@ bool is_cuda_driver_library(std::string_view path) {
   return base.substr(0, 10) == "libcuda.so";
 }
 
+bool cuda_driver_mapped() {
+  bool found = false;
+  ::dl_iterate_phdr(
+      [](dl_phdr_info* info, size_t, void* data) -> int {
+        if (info->dlpi_name != nullptr && is_cuda_driver_library(info->dlpi_name)) {
+          *static_cast<bool*>(data) = true;
+          return 1;  // stops the walk
+        }
+        return 0;
+      },
+      &found);
+  return found;
+}
+
 }  // namespace forkguard::detail

@@ -16,5 +16,8 @@ std::optional<std::string> loaded_path_of(void* handle);
 std::string_view basename_of(std::string_view path);
 // libcuda.so, libcuda.so.1, libcuda.so.550.54.15 (the real driver or the test driver).
 bool is_cuda_driver_library(std::string_view path);
+// Whether a CUDA driver is mapped here: the loaded_libraries() walk without copying a name
+// (a few microseconds with PyTorch's 300 libraries mapped, not 40).
+bool cuda_driver_mapped();
 
 }  // namespace forkguard::detail

@@ -424,12 +424,7 @@ CudaState self() {
 }
 
 std::optional<CudaState> self_if_fork_unsafe() {
-  auto libs = forkguard::detail::loaded_libraries();
-  if (std::none_of(libs.begin(), libs.end(), [](const std::string& l) {
-        return forkguard::detail::is_cuda_driver_library(l);
-      })) {
-    return std::nullopt;
-  }
+  if (!forkguard::detail::cuda_driver_mapped()) return std::nullopt;
   auto state = self();
   if (state.fork_safe) return std::nullopt;
   return state;

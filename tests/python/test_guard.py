@@ -1,0 +1,440 @@
+"""forkguard.guard(): multiprocessing's fork start method after the process initialized CUDA (the
+test driver, through ctypes, in a child interpreter so this one stays clean): refused with the
+evidence, warned about, or rerouted to the clean interpreter fork server, whose children's cuInit
+returns 0 and whose results come back through multiprocessing's own objects; on a clean parent a
+plain fork. Each test checks that nothing is left behind: processes, fds, files in /dev/shm."""
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+
+import forkguard
+
+PRELUDE = """\
+import ctypes, os, sys
+import multiprocessing as mp
+import forkguard
+
+def cuinit():
+    return ctypes.CDLL(os.environ["FORKGUARD_TEST_FAKE_CUDA"]).cuInit(0)
+
+def children():
+    # this process's children but the C++ fork server started at import
+    with open(f"/proc/self/task/{os.getpid()}/children") as f:
+        kids = [int(k) for k in f.read().split()]
+    return [k for k in kids if k != forkguard._native.fork_server_pid()]
+"""
+
+
+def _shm():
+    return set(os.listdir("/dev/shm"))
+
+
+def _marked(marker):
+    """PIDs of live processes whose environment carries this test's marker."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read()
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in env and state != "Z":  # zombies count as gone (gVisor reaps late)
+            found.append(int(pid))
+    return found
+
+
+@pytest.fixture()
+def script(fake_cuda_env, tmp_path):
+    """Runs a script (PRELUDE + body) in a child interpreter; checks nothing is left behind."""
+    shm_before = _shm()
+    marker = f"FORKGUARD_GUARD_TEST={uuid.uuid4().hex}"
+    runs = []
+
+    def run(body, args=(), expect_rc=0, prelude=PRELUDE, runner=()):
+        path = tmp_path / f"script{len(runs)}.py"
+        path.write_text(prelude + textwrap.dedent(body))
+        package_parent = os.path.dirname(os.path.dirname(os.path.abspath(forkguard.__file__)))
+        env = dict(os.environ, FORKGUARD_GUARD_TEST=marker.split("=")[1],
+                   PYTHONPATH=package_parent)
+        out = subprocess.run([sys.executable, *runner, str(path), *args], capture_output=True,
+                             text=True, timeout=300, env=env, cwd=tmp_path)
+        runs.append(out)
+        assert out.returncode == expect_rc, out.stdout + out.stderr
+        return out
+
+    yield run
+    # The fork server exits once its caller has: wait on that event, bounded.
+    deadline = time.monotonic() + 30
+    while _marked(marker.split("=")[1]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _marked(marker.split("=")[1]) == []
+    assert {f for f in _shm() - shm_before if f.startswith(("sem.", "torch_"))} == set()
+
+
+def test_refuse_raises_with_the_evidence_before_any_child_exists(script):
+    out = script("""
+        print("parent cuInit:", cuinit())
+        forkguard.guard("refuse")
+        p = mp.Process(target=cuinit)
+        try:
+            p.start()
+        except forkguard.ForkUnsafeError as e:
+            print("refused:", e)
+        print("children:", mp.active_children(), children())
+    """)
+    assert "parent cuInit: 0" in out.stdout
+    assert "refused: fork is not safe here" in out.stdout and "nvidia-uvm" in out.stdout
+    assert "cures:" in out.stdout
+    assert "children: [] []" in out.stdout
+
+
+def test_warn_warns_once_with_the_evidence_then_forks(script, tmp_path):
+    out = script("""
+        def child(q):
+            q.put(cuinit())
+        cuinit()
+        forkguard.guard("warn")
+        q = mp.SimpleQueue()
+        ps = [mp.Process(target=child, args=(q,)) for _ in range(2)]
+        for p in ps:
+            p.start()  # the line named
+        print("children cuInit:", [q.get() for _ in ps])
+        for p in ps:
+            p.join()
+            assert p.exitcode == 0
+    """)
+    assert "children cuInit: [3, 3]" in out.stdout  # a plain fork: the child's CUDA is broken
+    assert out.stderr.count("DirtyForkWarning") == 1, out.stderr
+    assert "with a plain fork" in out.stderr and "nvidia-uvm" in out.stderr
+    lines = (tmp_path / "script0.py").read_text().splitlines()
+    line = next(i for i, text in enumerate(lines, 1) if "# the line named" in text)
+    assert f"script0.py:{line}" in out.stderr
+
+
+def test_os_fork_under_the_guard_warns_once_naming_the_line(script, tmp_path):
+    out = script("""
+        cuinit()
+        forkguard.guard()
+        for _ in range(2):
+            pid = os.fork()  # the line named
+            if pid == 0:
+                os._exit(0)
+            os.waitpid(pid, 0)
+    """)
+    assert out.stderr.count("DirtyForkWarning") == 1, out.stderr
+    lines = (tmp_path / "script0.py").read_text().splitlines()
+    line = next(i for i, text in enumerate(lines, 1) if "# the line named" in text)
+    assert f"script0.py:{line}" in out.stderr and "os.fork() is not rerouted" in out.stderr
+
+
+def test_reroute_process_with_queue_child_cuinit_succeeds_results_back(script):
+    out = script("""
+        def work(q, i, scale):
+            q.put((i, cuinit() * scale, os.getppid(), mp.parent_process().pid, mp.current_process().name))
+
+        if __name__ == "__main__":
+            print("parent cuInit:", cuinit())
+            forkguard.guard()
+            q = mp.Queue()
+            ps = [mp.Process(target=work, args=(q, i), kwargs={"scale": 10}, name=f"w{i}") for i in range(2)]
+            for p in ps:
+                p.start()
+            got = sorted(q.get(timeout=60) for _ in ps)
+            for p in ps:
+                p.join()
+            me = os.getpid()
+            server = forkguard._launch._server.pid
+            assert [g[1] for g in got] == [0, 0], got
+            assert {g[2] for g in got} == {server} and {g[3] for g in got} == {me}, (got, me, server)
+            assert [g[4] for g in got] == ["w0", "w1"]
+            assert [p.exitcode for p in ps] == [0, 0] and not any(p.is_alive() for p in ps)
+            q.close(); q.join_thread()
+            print("ok")
+    """)
+    assert "ok" in out.stdout
+    assert out.stderr.count("forkguard.guard(): this process") == 1, out.stderr
+    assert "initialized" in out.stderr and "clean interpreter fork server" in out.stderr
+
+
+def test_reroute_carries_multiprocessing_objects(script):
+    out = script("""
+        class Point:  # a class of __main__: by path, as spawn does
+            def __init__(self, x):
+                self.x = x
+
+        def work(q, conn, ev, lock, val, arr, sem, pt):
+            with lock:
+                val.value += 1
+            arr[0] = 42
+            with sem:
+                conn.send(("pipe", cuinit(), pt.x))
+            ev.wait(60)
+            q.put(("after event", ev.is_set()))
+
+        if __name__ == "__main__":
+            cuinit()
+            forkguard.guard()
+            q, (a, b), ev = mp.Queue(), mp.Pipe(), mp.Event()
+            lock, val, arr, sem = mp.Lock(), mp.Value("i", 1), mp.Array("i", 3), mp.Semaphore(1)
+            p = mp.Process(target=work, args=(q, b, ev, lock, val, arr, sem, Point(7)))
+            p.start()
+            print(a.recv())
+            ev.set()
+            print(q.get(timeout=60))
+            p.join()
+            print("value", val.value, "array", arr[:], "exit", p.exitcode)
+    """)
+    assert "('pipe', 0, 7)" in out.stdout
+    assert "('after event', True)" in out.stdout
+    assert "value 2 array [42, 0, 0] exit 0" in out.stdout
+
+
+def test_reroute_exit_codes_terminate_kill_and_sentinel(script):
+    out = script("""
+        import signal, time
+        from multiprocessing.connection import wait
+
+        def fail():
+            raise ValueError("boom in the child")
+
+        def code():
+            sys.exit(7)
+
+        def forever():
+            time.sleep(600)
+
+        if __name__ == "__main__":
+            cuinit()
+            forkguard.guard()
+            a, b, c, d = (mp.Process(target=t) for t in (fail, code, forever, forever))
+            for p in (a, b, c, d):
+                p.start()
+            assert wait([a.sentinel, b.sentinel], 60)
+            a.join(); b.join()
+            assert c.is_alive() and c.exitcode is None
+            assert wait([c.sentinel], 0) == []
+            c.terminate(); d.kill()
+            c.join(); d.join()
+            print("codes", a.exitcode, b.exitcode, c.exitcode, d.exitcode)
+            assert wait([c.sentinel, d.sentinel], 10)
+            for p in (a, b, c, d):
+                p.close()
+    """)
+    assert f"codes 1 7 -{15} -{9}" in out.stdout
+    assert "ValueError: boom in the child" in out.stderr
+
+
+def test_reroute_process_pool_executor_fork_context(script):
+    out = script("""
+        import concurrent.futures
+
+        def square(x):
+            assert cuinit() == 0
+            return x * x
+
+        if __name__ == "__main__":
+            cuinit()
+            forkguard.guard()
+            ctx = mp.get_context("fork")
+            with concurrent.futures.ProcessPoolExecutor(2, mp_context=ctx) as ex:
+                print("results", list(ex.map(square, range(6))))
+    """)
+    assert "results [0, 1, 4, 9, 16, 25]" in out.stdout
+
+
+DATALOADER = """
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+class Squares(Dataset):  # calls cuInit as a Dataset doing .cuda() would
+    def __len__(self):
+        return 8
+    def __getitem__(self, i):
+        rc = cuinit()
+        if rc != 0:
+            raise RuntimeError(f"CUDA error: initialization error (cuInit returned {rc})")
+        return torch.tensor([i, i * i])
+
+def batches(workers):
+    return [b.tolist() for b in DataLoader(Squares(), batch_size=3, num_workers=workers)]
+
+if __name__ == "__main__":
+    cuinit()
+    policy = sys.argv[1]
+    if policy != "none":
+        forkguard.guard(policy)
+    try:
+        print("equal:", batches(2) == batches(0))
+    except forkguard.ForkUnsafeError as e:
+        print("refused:", str(e).splitlines()[0])
+        print("children:", children())
+    except RuntimeError as e:
+        print("failed:", e)
+"""
+
+
+def test_dataloader_default_context_unguarded_fails_guarded_matches_refuse_raises(script):
+    pytest.importorskip("torch")
+    out = script(DATALOADER, args=("none",))
+    assert "cuInit returned 3" in out.stdout, out.stdout + out.stderr
+    out = script(DATALOADER, args=("reroute",))
+    assert "equal: True" in out.stdout, out.stdout + out.stderr
+    out = script(DATALOADER, args=("refuse",))
+    assert "refused: fork is not safe here" in out.stdout and "children: []" in out.stdout
+
+
+def test_python_m_forkguard_guard_and_the_environment_variable(script):
+    body = """
+        def work(q):
+            q.put(cuinit())
+
+        if __name__ == "__main__":
+            cuinit()
+            q = mp.SimpleQueue()
+            p = mp.Process(target=work, args=(q,))
+            try:
+                p.start()
+                print("child cuInit:", q.get())
+                p.join()
+            except forkguard.ForkUnsafeError:
+                print("refused")
+    """
+    out = script(body, runner=("-m", "forkguard.guard"))
+    assert "child cuInit: 0" in out.stdout, out.stderr
+    out = script(body, runner=("-m", "forkguard.guard", "--refuse"))
+    assert "refused" in out.stdout
+    os.environ["FORKGUARD_GUARD"] = "reroute"
+    try:
+        out = script(body)
+    finally:
+        del os.environ["FORKGUARD_GUARD"]
+    assert "child cuInit: 0" in out.stdout, out.stderr
+
+
+def test_a_fork_context_lock_made_while_clean_is_refused_by_name(script):
+    out = script("""
+        def work(lock):
+            pass
+
+        if __name__ == "__main__":
+            forkguard.guard()
+            lock = mp.Lock()  # clean here: a plain fork's unnamed semaphore
+            cuinit()
+            try:
+                mp.Process(target=work, args=(lock,)).start()
+            except forkguard.RerouteError as e:
+                print("refused:", e)
+    """)
+    assert "refused:" in out.stdout and "Lock" in out.stdout and "has no name" in out.stdout
+
+
+def _child_ppid(q):
+    q.put(os.getppid())
+
+
+def test_clean_parent_under_the_guard_forks_plainly(capfd):
+    fds_before = sorted(os.listdir("/proc/self/fd"))
+    forkguard.guard()
+    try:
+        assert forkguard._guard.guarded() == "reroute"
+        forkguard.guard()  # idempotent
+        q = multiprocessing.get_context("fork").SimpleQueue()
+        p = multiprocessing.get_context("fork").Process(target=_child_ppid, args=(q,))
+        p.start()
+        assert q.get() == os.getpid()  # a fork of this process, not of the fork server
+        p.join()
+        assert p.exitcode == 0
+        p.close()
+        q.close()
+    finally:
+        forkguard.unguard()
+    assert forkguard._guard.guarded() is None
+    assert "forkguard" not in capfd.readouterr().err
+    assert forkguard._launch._server is None  # the fork server was never needed
+    assert sorted(os.listdir("/proc/self/fd")) == fds_before
+    assert multiprocessing.active_children() == []
+
+
+def test_guard_rejects_an_unknown_policy():
+    with pytest.raises(ValueError, match="reroute, refuse, warn"):
+        forkguard.guard("sometimes")
+
+
+NB_CELL1 = """\
+import ctypes, os
+cuda = ctypes.CDLL(os.environ["FORKGUARD_TEST_FAKE_CUDA"])
+print("notebook cuInit:", cuda.cuInit(0))
+import forkguard
+forkguard.guard()
+"""
+
+NB_CELL2 = """\
+import torch
+import torch.multiprocessing as tmp
+
+def fn(rank, q, t, done):
+    rc = ctypes.CDLL(os.environ["FORKGUARD_TEST_FAKE_CUDA"]).cuInit(0)
+    t[rank] = rank + 100  # the notebook's shared-memory tensor
+    q.put((rank, rc, torch.full((2,), rank)))
+    done.wait()  # the tensor's fd is served from here until the notebook has it
+
+ctx = tmp.get_context("fork")
+q, done = ctx.SimpleQueue(), ctx.Event()
+shared = torch.zeros(2).share_memory_()
+procs = tmp.start_processes(fn, args=(q, shared, done), nprocs=2, start_method="fork",
+                            join=False)
+results = sorted((r, rc, x.tolist()) for r, rc, x in (q.get() for _ in range(2)))
+done.set()
+while not procs.join():
+    pass
+print("results:", results, "shared:", shared.tolist())
+"""
+
+
+def test_notebook_start_processes_fork_after_cuinit_rerouted(fake_cuda_env, tmp_path,
+                                                             monkeypatch):
+    pytest.importorskip("torch")
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(forkguard.__file__)))
+    monkeypatch.setenv("PYTHONPATH", package_parent)
+    monkeypatch.setenv("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    marker = uuid.uuid4().hex
+    monkeypatch.setenv("FORKGUARD_GUARD_TEST", marker)
+    shm_before = _shm()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in (NB_CELL1, NB_CELL2)]
+    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    c1, c2 = ("".join(o.get("text", "") for o in c.outputs if o.get("output_type") == "stream")
+              for c in nb.cells)
+    assert "notebook cuInit: 0" in c1
+    assert "results: [(0, 0, [0, 0]), (1, 0, [1, 1])] shared: [100.0, 101.0]" in c2, c2
+    assert "clean interpreter fork server" in c2
+    deadline = time.monotonic() + 30
+    while _marked(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _marked(marker) == []
+    assert {f for f in _shm() - shm_before if f.startswith(("sem.", "torch_"))} == set()
+
+
+def test_importing_the_cli_module_keeps_forkguard_guard_callable():
+    import forkguard.guard  # noqa: F401 - the module behind python3 -m forkguard.guard
+
+    forkguard.guard("refuse")
+    try:
+        assert forkguard._guard.guarded() == "refuse"
+    finally:
+        forkguard.unguard()
+    assert forkguard._guard.guarded() is None
