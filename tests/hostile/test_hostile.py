@@ -71,7 +71,23 @@ def hostile_tree(tmp_path):
 
 
 def holdings():
-    return sorted(os.listdir("/proc/self/fd")), sorted(os.listdir("/dev/shm"))
+    """Open fds, memfd mappings, and /dev/shm files that are ours (/dev/shm is the machine's:
+    other programs' files come and go there; ours would be named forkguard*, or mapped or open
+    here)."""
+    fds = sorted(os.listdir("/proc/self/fd"))
+    with open("/proc/self/maps") as f:
+        maps = f.read().splitlines()
+    memfds = sum("/memfd:" in line for line in maps)
+    shm = {n for n in os.listdir("/dev/shm") if n.startswith("forkguard")}
+    shm |= {line[line.index("/dev/shm/"):] for line in maps if "/dev/shm/" in line}
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/dev/shm/"):
+            shm.add(target)
+    return fds, memfds, sorted(shm)
 
 
 GOOD = 12 + 4 + 3  # the good files, the two odd names and the hard link
