@@ -278,7 +278,8 @@ TEST(Hostile, SymlinkLoopIsABadSampleNamingTheLink) {
   expect_bad_entry(dir.path(), link, "Too many levels of symbolic links");
 }
 
-// Followed, `a/up -> ..` listed every image 41 times (until the path no longer resolved).
+// Followed, `a/up -> ..` listed every image 41 times (until the path no longer resolved), and with
+// b/elsewhere beside it the scan did not end.
 TEST(Hostile, DirectorySymlinkLoopFailsTheScanNamingTheLink) {
   ft::TempDir dir;
   good_tree(dir.path());
