@@ -94,23 +94,16 @@ class ImageLoader:
         """One epoch. As DataLoader(persistent_workers=True) resets its one iterator, a new
         iterator supersedes the previous one: a loop left early (or still running) ends there,
         the new one starts the next epoch afresh, and the old one raises ``forkguard.Error`` on
-        its next ``next()`` instead of sharing the stream of batches with the new one."""
+        its next ``next()`` instead of sharing the stream of batches with the new one.
+
+        A ``DataError`` (a bad sample, under ``bad_sample="error"``) leaves the iterator usable,
+        as torch's DataLoader iterator: ``next(it)`` after it goes on with the epoch's next batch,
+        so a loop that catches it and carries on finishes the epoch. After any other error (a
+        worker died, a timeout) the epoch is over and the iterator is exhausted."""
         if self._loader.in_epoch():
             self._loader.set_epoch(self._loader.epoch() + 1)
         self._iterators += 1
-        return self._epoch(self._iterators, self._loader.epoch())
-
-    def _epoch(self, number: int, epoch: int) -> Iterator[Tuple[DLTensor, DLTensor]]:
-        while True:
-            if number != self._iterators:
-                raise _native.Error(
-                    f"this iterator over the ImageLoader (epoch {epoch}) was superseded by a "
-                    f"newer one: iter() was called again, which ended this epoch and started "
-                    f"epoch {self._loader.epoch()}; use one loop at a time")
-            batch = self._loader.next()
-            if batch is None:
-                return
-            yield batch
+        return _Epoch(self, self._iterators, self._loader.epoch())
 
     def __len__(self) -> int:
         """Batches per epoch."""
@@ -148,3 +141,39 @@ class ImageLoader:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class _Epoch:
+    """One epoch's iterator (not a generator: a generator that raised is finished, so a loop
+    catching DataError and calling next() again would end the epoch silently at the bad batch)."""
+
+    def __init__(self, owner: ImageLoader, number: int, epoch: int):
+        self._owner = owner
+        self._number = number
+        self._epoch = epoch
+        self._done = False
+
+    def __iter__(self) -> "_Epoch":
+        return self
+
+    def __next__(self) -> Tuple[DLTensor, DLTensor]:
+        if self._done:
+            raise StopIteration
+        owner = self._owner
+        if self._number != owner._iterators:
+            self._done = True
+            raise _native.Error(
+                f"this iterator over the ImageLoader (epoch {self._epoch}) was superseded by a "
+                f"newer one: iter() was called again, which ended this epoch and started "
+                f"epoch {owner._loader.epoch()}; use one loop at a time")
+        try:
+            batch = owner._loader.next()
+        except _native.DataError:
+            raise  # the epoch goes on: the next call returns its next batch
+        except BaseException:
+            self._done = True  # a worker error or timeout ended the epoch
+            raise
+        if batch is None:
+            self._done = True
+            raise StopIteration
+        return batch

@@ -194,10 +194,21 @@ std::vector<unsigned char> read_file_bytes(const std::string& path, size_t limit
     throw DataError(
         fmt::format("{}: {} bytes, more than the {}-byte limit", path, st.st_size, limit));
   }
+  // A sparse file is refused before it is read: `truncate -s 2G x.jpg` (a placeholder, a failed
+  // download) held no data, yet read() would allocate and fill 2 GB of zeros per sample in every
+  // worker. SEEK_HOLE finds the first hole (the end of the file where there is none, or where the
+  // file system cannot tell); a file with one that holds data for less than half its size is no
+  // image anyone wrote (a few zero blocks an image made sparse by `cp --sparse=always` pass).
+  if (const off_t hole = ::lseek(fd.get(), 0, SEEK_HOLE);
+      hole >= 0 && hole < st.st_size && st.st_blocks * 512 < st.st_size / 2) {
+    throw DataError(fmt::format(
+        "{}: a sparse file ({} bytes, {} of them data; a hole at offset {}): not an image", path,
+        st.st_size, static_cast<int64_t>(st.st_blocks) * 512, hole));
+  }
   std::vector<unsigned char> out(static_cast<size_t>(st.st_size));
   size_t done = 0;
   while (done < out.size()) {
-    ssize_t n = ::read(fd.get(), out.data() + done, out.size() - done);
+    ssize_t n = ::pread(fd.get(), out.data() + done, out.size() - done, static_cast<off_t>(done));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) throw DataError(fmt::format("{}: read failed: {}", path, std::strerror(errno)));
     if (n == 0) break;  // shrank while we read it
@@ -253,6 +264,22 @@ ImageFolder::ImageFolder(std::string root, ImageFolderOptions options)
       // torchvision's os.walk: its read names it and the error (a bad sample, skipped under
       // BadSample::kSkip), and the indices stay torchvision's.
       std::error_code type_ec;
+      // A directory symlink that leads back to one of its own ancestors (`ln -s .. up`) would be
+      // followed until the path is too long to resolve: each image listed 41 times here, as in
+      // os.walk(followlinks=True). Named instead; a link to a directory elsewhere is followed.
+      if (it->is_symlink(type_ec) && it->is_directory(type_ec)) {
+        std::error_code target_ec, here_ec;
+        const fs::path target = fs::canonical(p, target_ec);
+        const fs::path here = fs::canonical(p.parent_path(), here_ec);
+        if (!target_ec && !here_ec) {
+          const fs::path up = here.lexically_relative(target);
+          if (!up.empty() && *up.begin() != "..") {
+            throw DataError(fmt::format(
+                "{}: a symlink loop: it leads back to {}, a directory it is in (remove the link)",
+                p.string(), target.string()));
+          }
+        }
+      }
       if (is_image(p) && !it->is_directory(type_ec)) {
         found.emplace_back(p.parent_path().string(), p.filename().string());
       }

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <charconv>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <limits>
 #include <set>
@@ -18,6 +19,7 @@
 #include <utility>
 
 #include "detail/fd.hpp"
+#include "detail/fnv.hpp"
 #include "forkguard/data/error.hpp"
 
 namespace forkguard::data {
@@ -117,6 +119,20 @@ std::vector<std::string> expand_braces(const std::string& whole, std::string_vie
     for (const auto& rest : rests) out.push_back(prefix + alt + rest);
   }
   return out;
+}
+
+int64_t mtime_ns(const struct stat& st) {
+  return static_cast<int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec;
+}
+
+// A modification time as UTC, to the nanosecond (a rewrite within one second differs there).
+std::string time_text(int64_t ns) {
+  const time_t sec = static_cast<time_t>(ns / 1'000'000'000);
+  struct tm tm {};
+  ::gmtime_r(&sec, &tm);
+  char buf[32];
+  ::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S", &tm);
+  return fmt::format("{}.{:09} UTC", buf, ns % 1'000'000'000);
 }
 
 // ---- reading a shard ----------------------------------------------------------------------------
@@ -307,8 +323,17 @@ struct TarShards::Index {
     uint64_t offset = 0;  // its first member's header
     std::string members;  // its members' extensions
   };
+  // What a shard was when it was indexed: a shard rewritten in place (`cp new.tar shard.tar`) or
+  // replaced (a worker indexing it again) no longer holds the samples at the indexed offsets.
+  struct Identity {
+    uint64_t size = 0;
+    int64_t mtime_ns = 0;
+    uint64_t digest = 0;  // of its samples' keys, offsets and sizes
+    bool operator==(const Identity&) const = default;
+  };
   std::vector<std::string> shards;
   std::vector<detail::UniqueFd> fds;
+  std::vector<Identity> identities;  // per shard
   std::vector<Entry> samples;
   std::string keys;  // every sample's key, back to back
   std::unordered_map<size_t, Note> notes;
@@ -513,7 +538,17 @@ TarShards::TarShards(std::string pattern)
       throw DataError(fmt::format("{}: not a regular file{}", path, from));
     }
     x.fds.push_back(std::move(fd));
+    const size_t first = x.samples.size();
     x.index_shard(i, static_cast<uint64_t>(st.st_size));
+    uint64_t h = forkguard::detail::kFnvOffset;
+    for (size_t k = first; k < x.samples.size(); ++k) {
+      const Index::Entry& e = x.samples[k];
+      const std::string_view key = x.key(e);
+      h = forkguard::detail::fnv1a(key.data(), key.size(), h);
+      const uint64_t fields[] = {key.size(), e.image, e.image_size, e.label, e.label_size};
+      h = forkguard::detail::fnv1a(fields, sizeof fields, h);
+    }
+    x.identities.push_back({static_cast<uint64_t>(st.st_size), mtime_ns(st), h});
   }
   if (x.samples.empty()) {
     throw DataError(fmt::format("\"{}\": no samples in {} shard{}", pattern_, x.shards.size(),
@@ -588,6 +623,20 @@ Sample TarShards::read(size_t index) const {
     parts.push_back({e.label, {{label.data(), label.size()}}});
   }
   const int fd = index_->fds[e.shard].get();
+  // A shard rewritten since it was indexed would give other bytes than the sample's (or a short
+  // read): named, not delivered. One fstat per sample; a shard replaced by rename is still read
+  // through the descriptor opened at indexing, which holds the indexed file.
+  if (struct stat st{}; ::fstat(fd, &st) == 0) {
+    const Index::Identity& then = index_->identities[e.shard];
+    if (static_cast<uint64_t>(st.st_size) != then.size || mtime_ns(st) != then.mtime_ns) {
+      throw DataError(fmt::format(
+          "{}: sample {}: the shard changed since it was indexed ({} bytes, modified {} then; {} "
+          "bytes, modified {} now): its samples are no longer where the index says; open the "
+          "dataset again",
+          shard, printable(key), then.size, time_text(then.mtime_ns), st.st_size,
+          time_text(mtime_ns(st))));
+    }
+  }
   for (auto& part : parts) {
     std::erase_if(part.iov, [](const iovec& v) { return v.iov_len == 0; });
     uint64_t offset = part.offset;
@@ -639,11 +688,41 @@ Sample TarShards::read(size_t index) const {
 }
 
 std::optional<Description> TarShards::describe() const {
-  return Description{"tar_shards", {{"pattern", pattern_}}};
+  nlohmann::json identities = nlohmann::json::array();
+  for (const auto& id : index_->identities) {
+    identities.push_back({id.size, id.mtime_ns, fmt::format("{:016x}", id.digest)});
+  }
+  return Description{"tar_shards", {{"pattern", pattern_}, {"identities", identities}}};
+}
+
+void TarShards::check_identities(const nlohmann::json& described) const {
+  const Index& x = *index_;
+  if (described.size() != x.identities.size()) {
+    throw DataError(fmt::format(
+        "\"{}\": names {} shards now, {} when the loader indexed it: a worker would read other "
+        "samples than the loader's indices name",
+        pattern_, x.identities.size(), described.size()));
+  }
+  for (size_t i = 0; i < x.identities.size(); ++i) {
+    const auto& d = described.at(i);
+    const Index::Identity then{d.at(0).get<uint64_t>(), d.at(1).get<int64_t>(),
+                               std::stoull(d.at(2).get<std::string>(), nullptr, 16)};
+    const Index::Identity& now = x.identities[i];
+    if (now != then) {
+      throw DataError(fmt::format(
+          "{}: the shard changed since the loader indexed it ({} bytes, modified {} then; {} "
+          "bytes, modified {} now{}): a worker would read other samples than the loader's "
+          "indices name; open the dataset again",
+          x.shards[i], then.size, time_text(then.mtime_ns), now.size, time_text(now.mtime_ns),
+          now.digest != then.digest ? "; other members" : ""));
+    }
+  }
 }
 
 FORKGUARD_REGISTER_DATASET(tar_shards, [](const nlohmann::json& p) {
-  return std::make_unique<TarShards>(p.at("pattern").get<std::string>());
+  auto shards = std::make_unique<TarShards>(p.at("pattern").get<std::string>());
+  if (p.contains("identities")) shards->check_identities(p.at("identities"));
+  return shards;
 });
 
 }  // namespace forkguard::data

@@ -18,8 +18,9 @@
 // class directories or without images, a class directory without images (unless
 // ImageFolderOptions::allow_empty; torchvision's "Found no valid file for the classes ..."), a
 // class entry whose type cannot be read, a malformed list line; at read(): an unreadable or
-// zero-byte file, or one that is not a regular file (a FIFO, socket or device is refused by its
-// type before it is opened). Thread-safety: read() is const and may run concurrently.
+// zero-byte file, a sparse one (mostly holes: `truncate -s 2G x.jpg`, refused before a byte is
+// read), or one that is not a regular file (a FIFO, socket or device is refused by its type
+// before it is opened). Thread-safety: read() is const and may run concurrently.
 #pragma once
 
 #include <string>

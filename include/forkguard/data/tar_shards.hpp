@@ -27,7 +27,8 @@
 // 64 KiB of other members lie between image and label) on a descriptor held open (O_CLOEXEC) for
 // each shard. Tar formats: ustar (with its name prefix), GNU (long names 'L', base-256 sizes) and
 // pax ('x' headers: path and size); every header's checksum is verified.
-// describe() names the pattern: a fork-server worker rebuilds the dataset by indexing again.
+// describe() names the pattern and each shard's identity: a fork-server worker rebuilds the
+// dataset by indexing again and checks it found the same shards.
 //
 // Errors (DataError). At construction, naming the pattern or the shard, the member and the byte
 // offset: a pattern or directory that matches no file, a malformed brace pattern, a shard that
@@ -35,7 +36,11 @@
 // record, a member past the end of the file, no end-of-archive blocks), the member-order errors
 // above, a key over 4 KiB, no samples at all. At read(), so the loader's `bad_sample = skip` policy
 // counts and names them instead of dropping them silently: a sample without an image (or an empty
-// one), without a .cls member, or whose .cls is not an integer; a short read (the shard changed).
+// one), without a .cls member, or whose .cls is not an integer; a shard whose size or
+// modification time is no longer what it was when indexed (rewritten in place: its samples are
+// not where the index says), named with both. A shard replaced by rename is still read through
+// the descriptor opened at indexing (the indexed file); a fork-server worker, which indexes the
+// shards again, refuses to start when any shard's size, time or index differs from the loader's.
 //
 // Thread-safety: read() and key() are const and may run concurrently (pread on shared fds).
 #pragma once
@@ -64,6 +69,10 @@ class TarShards : public Dataset {
 
   const std::string& pattern() const { return pattern_; }
   const std::vector<std::string>& shards() const;  // the shard paths, in order
+  // Throws DataError naming the first shard whose identity (size, modification time, index
+  // digest) differs from `described` (describe()'s "identities"): a fork-server worker indexes
+  // the shards again and must find what the loader indexed.
+  void check_identities(const nlohmann::json& described) const;
 
  private:
   struct Index;
