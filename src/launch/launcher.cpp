@@ -26,10 +26,6 @@
 #include "launch/init_state.hpp"
 #include "launch/rank_output.hpp"
 
-#ifndef P_PIDFD
-#define P_PIDFD 3
-#endif
-
 namespace forkguard::launch {
 namespace {
 
@@ -99,7 +95,7 @@ struct Rank {
   int local_rank = 0;
   int rank = 0;
   pid_t pid = -1;
-  UniqueFd pidfd;
+  detail::Child child;  // unless via_server: the zygote's child
   bool running = false;
   bool via_server = false;
   bool console = true;
@@ -108,50 +104,33 @@ struct Rank {
   double seconds = 0;
   bool stopped_by_launcher = false;
   Stream out, err;
-  UniqueFd exec_check;  // until the exec is known to have happened
-  std::string exec_path;
 };
 
 using forkguard::detail::SignalCapture;
 
-void signal_group(const Rank& r, int sig) {
+void signal_group(Rank& r, int sig) {
+  if (r.child) return r.child.signal(sig);
   if (r.pid <= 0) return;
   if (::kill(-r.pid, sig) != 0) ::kill(r.pid, sig);  // not yet its own group leader
-}
-
-ExitStatus from_siginfo(const siginfo_t& info) {
-  switch (info.si_code) {
-    case CLD_EXITED: return ExitStatus::exited(info.si_status);
-    case CLD_KILLED: return ExitStatus::signaled(info.si_status, false);
-    case CLD_DUMPED: return ExitStatus::signaled(info.si_status, true);
-    default: return {};
-  }
 }
 
 class Attempt {
  public:
   Attempt(const Options& o, const Job& job, const Placement& place, const GpuPlan& gpus,
-          StartMethod method, int restart, SignalCapture& signals, detail::TreeGuard& guard)
+          StartMethod method, int restart, SignalCapture& signals)
       : o_(o),
         job_(job),
         place_(place),
         gpus_(gpus),
         method_(method),
         restart_(restart),
-        signals_(signals),
-        guard_(guard) {}
+        signals_(signals) {}
 
   ~Attempt() {
-    // Never leave a rank behind, whatever threw.
+    // Never leave a rank behind, whatever threw: killed here, reaped by their Child handles
+    // (stop policy: SIGKILL), each with what its reaper finds left of its tree.
     for (auto& r : ranks_) {
       if (r.running) signal_group(r, SIGKILL);
-    }
-    for (auto& r : ranks_) {
-      if (r.running && !r.via_server) ::waitpid(r.pid, nullptr, 0);
-    }
-    // Their groups are gone (killed here or in finish()): the watchdog no longer guards them.
-    for (auto& r : ranks_) {
-      if (r.pid > 0) guard_.forget(r.pid);
     }
   }
 
@@ -243,9 +222,15 @@ class Attempt {
           if (job_.is_entry()) {
             auto storage = detail::flatten(env);
             auto envp = detail::c_array(storage);
-            auto child = detail::fork_call(find_entry(job_.entry), ctx, envp.data(), io);
-            r.pid = child.pid;
-            r.pidfd = std::move(child.pidfd);
+            r.child = detail::start_child(
+                {.main = [fn = find_entry(job_.entry), &ctx] { return fn(ctx); },
+                 .environ_for_main = envp.data(),
+                 .stdout_fd = io.stdout_fd,
+                 .stderr_fd = io.stderr_fd,
+                 .reap_tree = true,
+                 .stop = {.signal = SIGKILL},
+                 .what = fmt::format("rank {}", r.rank)});
+            r.pid = r.child.pid();
             break;
           }
           [[fallthrough]];
@@ -259,24 +244,21 @@ class Attempt {
           auto exec = detail::prepare_exec(argv, env);
           if (job_.is_entry()) exec.path = "/proc/self/exe";
           // Not waiting for the exec here lets the ranks exec in parallel; checked below.
-          auto child = detail::begin_exec(exec, io);
-          r.pid = child.pid;
-          r.pidfd = std::move(child.pidfd);
-          r.exec_check = std::move(child.exec_check);
-          r.exec_path = exec.path;
+          r.child = detail::start_child({.exec = &exec,
+                                         .stdout_fd = io.stdout_fd,
+                                         .stderr_fd = io.stderr_fd,
+                                         .reap_tree = true,
+                                         .await_start = false,
+                                         .stop = {.signal = SIGKILL}});
+          r.pid = r.child.pid();
           break;
         }
       }
       r.running = true;
-      guard_.watch(r.pid);  // its own process group: what it starts dies with the launcher too
     }
     for (auto& r : ranks_) {
-      if (!r.exec_check) continue;
-      detail::StartedChild c;
-      c.pid = r.pid;
-      c.exec_check = std::move(r.exec_check);
-      r.running = false;  // await_exec reaps it when the exec failed
-      detail::await_exec(c, r.exec_path);
+      r.running = false;  // await_start reaps it when the exec failed
+      if (r.child) r.child.await_start();
       r.running = true;
     }
   }
@@ -388,8 +370,8 @@ class Attempt {
         src.push_back({nullptr, 4});
       }
       for (auto& r : ranks_) {
-        if (r.running && r.pidfd) {
-          fds.push_back({r.pidfd.get(), POLLIN, 0});
+        if (r.running && r.child) {
+          fds.push_back({r.child.pidfd(), POLLIN, 0});
           src.push_back({&r, 0});
         }
         if (r.out.fd) {
@@ -420,15 +402,9 @@ class Attempt {
         if (fds[i].revents == 0) continue;
         Rank* r = src[i].rank;
         switch (src[i].what) {
-          case 0: {
-            siginfo_t info{};
-            if (::waitid(static_cast<idtype_t>(P_PIDFD), static_cast<id_t>(r->pidfd.get()), &info,
-                         WEXITED) == 0) {
-              r->pidfd.reset();
-              on_exit(*r, from_siginfo(info));
-            }
+          case 0:
+            if (auto status = r->child.try_wait()) on_exit(*r, *status);
             break;
-          }
           case 1: read_stream(*r, r->out, false); break;
           case 2: read_stream(*r, r->err, true); break;
           case 3: {
@@ -490,7 +466,6 @@ class Attempt {
   StartMethod method_;
   int restart_;
   SignalCapture& signals_;
-  detail::TreeGuard& guard_;
   std::vector<Rank> ranks_;
   int root_cause_ = -1;
   bool stopping_ = false;
@@ -549,12 +524,11 @@ Result supervise(const Options& options, const Job& job) {
            "setting OMP_NUM_THREADS=1 for every rank (nproc > 1) so they do not overload the "
            "machine; set it yourself to tune");
   }
-  std::fflush(nullptr);     // what the caller printed comes before what the ranks print
-  detail::TreeGuard guard;  // before the signals are captured: it keeps the default mask
+  std::fflush(nullptr);  // what the caller printed comes before what the ranks print
   SignalCapture signals({SIGINT, SIGTERM, SIGHUP});
   Result result;
   for (int restart = 0;; ++restart) {
-    Attempt attempt(o, job, place, gpus, method, restart, signals, guard);
+    Attempt attempt(o, job, place, gpus, method, restart, signals);
     result = attempt.run();
     result.restarts = restart;
     result.gpu_plan = gpus.description;

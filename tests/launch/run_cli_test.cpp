@@ -162,12 +162,15 @@ TEST_F(RunCli, NoRankSurvivesSigkillOfTheLauncher) {
 }
 
 TEST_F(RunCli, NothingARankStartedSurvivesSigkillOfTheLauncher) {
-  // A wrapper script whose python is the rank's child: the rank dies by its parent-death signal,
-  // and the launch's watchdog kills the rest of the rank's process group.
+  // A wrapper script whose pythons are the rank's children, one of them in its own session
+  // (setsid): the rank dies by its parent-death signal, and the rank's reaper (fg-reaper) kills
+  // the rest of its tree when the launcher is gone, whatever group or session they are in.
   const std::string wrapper = dir_.path() + "/wrapper.sh";
   std::ofstream(wrapper) << "#!/bin/sh\n"
                             "/usr/bin/python3 -c 'import time; time.sleep(60)' &\n"
-                            "echo \"$$ $!\"\n"
+                            "plain=$!\n"
+                            "setsid /usr/bin/python3 -c 'import time; time.sleep(60)' &\n"
+                            "echo \"$$ $plain $!\"\n"
                             "wait\n";
   ::chmod(wrapper.c_str(), 0755);
   for (const char* method : {"spawn", "forkserver"}) {
@@ -176,10 +179,10 @@ TEST_F(RunCli, NothingARankStartedSurvivesSigkillOfTheLauncher) {
                              env_);
     std::vector<pid_t> tree;
     for (int i = 0; i < 2; ++i) {
-      std::istringstream in(launcher.read_line(20s).substr(8));  // "[rankN]:SH PY"
-      pid_t sh = 0, py = 0;
-      in >> sh >> py;
-      tree.insert(tree.end(), {sh, py});
+      std::istringstream in(launcher.read_line(20s).substr(8));  // "[rankN]:SH PY SETSID_PY"
+      pid_t sh = 0, py = 0, own_session = 0;
+      in >> sh >> py >> own_session;
+      tree.insert(tree.end(), {sh, py, own_session});
     }
     for (pid_t p : tree) ASSERT_TRUE(ft::is_alive(p)) << p;
     ::kill(launcher.pid(), SIGKILL);
