@@ -524,7 +524,7 @@ Child start_child(const ChildOptions& o) {
   const std::vector<FdStep> steps = plan_fds(std::move(mappings), o.close_other_fds);
   const ChildPlan plan{&o,         steps.data(), steps.size(), report_at, report_w.get(),
                        ::getpid(), ::getpgrp()};
-  std::fflush(nullptr);  // nothing buffered is written twice
+  if (o.main) std::fflush(nullptr);  // nothing buffered is written twice (an exec drops it)
   const pid_t pid = fork_process();
   if (pid < 0) {
     throw SpawnError(
