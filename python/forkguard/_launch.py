@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import mmap
 import os
 import pickle
 import socket
@@ -234,8 +233,12 @@ def _outcome(rank: int, fd: int):
     head = _wire._HEADER
     if size < head.size:
         return None
-    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
-        magic, length = head.unpack_from(mm, 0)
+    # Read through a file, not a mapping: pickle reads a large bytes value straight into its
+    # object (one copy), where unpickling from a mapping faults in every page first (200 MB:
+    # 0.67 s against 1.28 s here).
+    with os.fdopen(os.dup(fd), "rb") as f:  # the dup shares the offset: seek first
+        f.seek(0)
+        magic, length = head.unpack(f.read(head.size))
         if magic != _wire.RESULT_MAGIC:
             return None  # the payload is still there: the rank died before its outcome
         got = size - head.size
@@ -243,13 +246,12 @@ def _outcome(rank: int, fd: int):
             return ("error", "TruncatedResult",
                     f"rank {rank}'s return value arrived incomplete ({got} bytes of {length})",
                     "", None)
-        with memoryview(mm) as view:
-            try:
-                return pickle.loads(view[head.size:])
-            except Exception as e:  # noqa: BLE001 - the bytes are not a whole pickle
-                return ("error", "TruncatedResult",
-                        f"rank {rank}'s return value could not be read ({got} bytes): "
-                        f"{type(e).__name__}: {e}", "", None)
+        try:
+            return pickle.load(f)
+        except Exception as e:  # noqa: BLE001 - the bytes are not a whole pickle
+            return ("error", "TruncatedResult",
+                    f"rank {rank}'s return value could not be read ({got} bytes): "
+                    f"{type(e).__name__}: {e}", "", None)
 
 
 def _rank_error(result, report: str, outcomes, truncated, timeout) -> RankError:

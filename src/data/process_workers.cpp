@@ -34,6 +34,7 @@
 #include "forkguard/data/error.hpp"
 #include "forkguard/launch/exit_status.hpp"
 #include "forkguard/probe/cuda_state.hpp"
+#include "launch/child.hpp"
 #include "launch/fork_server.hpp"
 
 namespace forkguard::data::detail {
@@ -246,6 +247,8 @@ int worker_entry(int sock) {
 
 [[maybe_unused]] const bool g_registered =
     launch::detail::register_zygote_function(kZygoteFunction, &worker_entry);
+
+std::string verdict_of_this_process();
 
 // ------------------------------------------------------------------ the loader's side
 class ProcessWorkers : public Workers {
@@ -467,38 +470,46 @@ class ProcessWorkers : public Workers {
   }
 
   pid_t guarded_fork(int w, int child_sock, int parent_sock) {
-    // Collected before fork(): the loader-side sockets of the workers started so far, which the
-    // child must not keep open (their workers would never see EOF).
+    // Everything is prepared here, before the fork: the loader-side sockets of the workers
+    // started so far, which the child must not keep open (their workers would never see EOF), its
+    // name, its producer, and the check that this process may fork (the worker is a copy of it).
     std::vector<int> close_in_child{parent_sock};
     for (const auto& p : procs_) {
       if (p.sock) close_in_child.push_back(p.sock.get());
     }
+    const std::string name = fmt::format("fg-worker-{}", w);
     Producer producer(*setup_.dataset, *setup_.transform, setup_.producer);
-    const pid_t parent = ::getpid();
-    std::fflush(nullptr);
-    pid_t pid = ::fork();
-    if (pid < 0) throw SystemError(fmt::format("fork for process worker {}", w), errno);
-    if (pid == 0) {
-      // The worker's entry point. Its own process group: a terminal's Ctrl-C stops the loader,
-      // which then stops its workers.
-      ::setpgid(0, 0);
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != parent) ::_exit(1);
-      for (int fd : close_in_child) ::close(fd);
-      for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGPIPE, SIGCHLD}) ::signal(sig, SIG_DFL);
-      sigset_t none;
-      sigemptyset(&none);
-      ::sigprocmask(SIG_SETMASK, &none, nullptr);
-      ::prctl(PR_SET_NAME, fmt::format("fg-worker-{}", w).c_str());
-      std::string why = prepare_worker(setup_, w);
-      if (!why.empty()) {
-        send_message(child_sock, encode(FailedReply{why}));
-        ::_exit(3);
+    std::string why;
+    if (setup_.worker_init.empty()) {
+      if (auto dirty = verdict_of_this_process(); !dirty.empty()) {
+        why = fmt::format(
+            "the worker started with CUDA state ({}): it was forked from a process that had "
+            "initialized CUDA",
+            dirty);
       }
-      send_message(child_sock, encode(ReadyReply{}));
-      ::_exit(serve(child_sock, producer));
     }
-    return pid;
+    // Its own process group: a terminal's Ctrl-C stops the loader, which then stops its workers.
+    // It keeps what this process has open (the dataset's files), all but close_in_child.
+    return launch::detail::start_child({.main =
+                                            [&, w, child_sock] {
+                                              // The worker: a copy of a CUDA-clean process, which
+                                              // may allocate. Only the init hook's own effect is
+                                              // probed here (what the hook did, after it ran).
+                                              if (why.empty() && !setup_.worker_init.empty()) {
+                                                why = prepare_worker(setup_, w);
+                                              }
+                                              if (!why.empty()) {
+                                                send_message(child_sock, encode(FailedReply{why}));
+                                                return 3;
+                                              }
+                                              send_message(child_sock, encode(ReadyReply{}));
+                                              return serve(child_sock, producer);
+                                            },
+                                        .close_other_fds = false,
+                                        .close_fds = close_in_child,
+                                        .name = name.c_str(),
+                                        .what = fmt::format("process worker {}", w)})
+        .release();  // reaped by collect(), which waits on its pidfd
   }
 
   std::string await_ready(int w, std::optional<Clock::time_point> deadline) {

@@ -1,15 +1,34 @@
-// Starting one child process: everything it needs is prepared (allocated) before fork(); the
-// child side is async-signal-safe until exec() or the entry function.
+// child: the one place in forkguard that forks. Every process forkguard starts (a rank, the fork
+// server and what it forks, a loader's guarded-fork worker, the traced program) is started by
+// start_child(), which allocates everything before fork(), runs one async-signal-safe set-up in
+// the child (signals, parent-death signal, process group, one fd plan) and hands back a Child: an
+// RAII handle whose stop policy (terminate, grace, kill, reap) is data.
+//
+//   auto exec = prepare_exec({"sh", "-c", "echo hi"}, current_environment());
+//   Child c = start_child({.exec = &exec, .stdout_fd = pipe_w, .reap_tree = true});
+//   ExitStatus s = c.wait();   // or let it go: the destructor applies c's stop policy
+//
+// With `reap_tree`, the child is a tiny subreaper ("fg-reaper" in ps) that forks the real program,
+// mirrors its exit status, and kills every descendant that is left when the program exits or when
+// the reaper's parent dies (kill -9 included), setsid()'d ones too.
+//
+// Thread-safety: start_child may be called from any thread; a Child has one owner. The
+// parent-death signal is tied to the thread that calls start_child (Linux semantics).
 #pragma once
 
+#include <signal.h>
 #include <sys/types.h>
 
+#include <chrono>
+#include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "detail/fd.hpp"
 #include "forkguard/launch/entry.hpp"
 #include "forkguard/launch/environment.hpp"
+#include "forkguard/launch/exit_status.hpp"
 
 namespace forkguard::launch::detail {
 
@@ -34,56 +53,113 @@ PreparedExec prepare_exec(const std::vector<std::string>& argv, const EnvMap& en
 std::vector<std::string> flatten(const EnvMap& env);
 std::vector<char*> c_array(std::vector<std::string>& strings);
 
+// ---------------------------------------------------------------- the fd plan (pure)
+// Make `from` (an fd of the parent) available as `to` in the child, close-on-exec or not.
+struct FdMapping {
+  int from = -1;
+  int to = -1;
+  bool cloexec = false;
+};
+
+struct FdStep {
+  enum class Op { kDup, kSetFlags, kCloseRange };
+  Op op = Op::kDup;
+  int a = -1;            // kDup: from; kSetFlags: the fd; kCloseRange: first
+  int b = -1;            // kDup: to;   kCloseRange: last (inclusive; -1: to the end)
+  bool cloexec = false;  // kDup, kSetFlags
+};
+
+// Ordered steps that realize `mappings` whatever their overlaps and cycles (a target that is
+// another mapping's source is first moved aside, above every fd named), then, with
+// `close_others`, close every fd from 3 up that is not a target. stdio (0-2) is never closed: an
+// unmapped one is inherited. Throws Error for two mappings to one target or a negative fd.
+std::vector<FdStep> plan_fds(std::vector<FdMapping> mappings, bool close_others);
+
+// ---------------------------------------------------------------- starting a child
 struct ChildIo {
   int stdout_fd = -1;  // -1: inherit
   int stderr_fd = -1;
 };
 
-struct StartedChild {
-  pid_t pid = -1;
-  UniqueFd pidfd;       // readable when the child exits; waitid(P_PIDFD) reaps it
-  UniqueFd exec_check;  // begin_exec only: EOF once the exec happened, an errno if it failed
+// What stops a Child that is destroyed while running, or asked to stop().
+struct StopPolicy {
+  int signal = SIGTERM;                        // first; 0 goes straight to SIGKILL
+  std::chrono::milliseconds grace{5000};       // then SIGKILL after this long
+  std::chrono::milliseconds kill_wait{30000};  // then reaped (the wait gives up after this)
 };
 
-// ============ child side: no malloc, no locks, no exceptions from here ============
-// Own process group, SIGKILL when the parent dies, stdio from io, every other fd closed
-// (keep_fd excepted), signals unblocked and reset. Returns false if the parent is already gone.
-bool child_setup(pid_t parent, const ChildIo& io, int keep_fd) noexcept;
-// ===================================================================================
+enum class ProcessGroup {
+  kInherit,  // stays in the parent's group (terminal signals reach it, as a shell job's)
+  kNew,      // its own group, id = its PID: signal() reaches what it starts in that group
+};
 
-// fork + child_setup + execve. Throws SpawnError "failed to execute PATH: <errno text>" with the
-// errno the child reported through a close-on-exec pipe.
-StartedChild spawn_exec(const PreparedExec& exec, const ChildIo& io);
-// The two halves of spawn_exec, so that several children exec in parallel: begin_exec forks,
-// await_exec waits for the exec (or reaps the child and throws).
-StartedChild begin_exec(const PreparedExec& exec, const ChildIo& io);
-void await_exec(StartedChild& child, const std::string& path);
+struct ChildOptions {
+  const PreparedExec* exec = nullptr;  // exec this ...
+  std::function<int()> main{};         // ... or run this in the child; its result is the exit code
+  char** environ_for_main = nullptr;   // main only: `environ` in the child (nullptr: unchanged)
+  int stdin_fd = -1;                   // -1: inherited
+  int stdout_fd = -1;
+  int stderr_fd = -1;
+  std::vector<FdMapping> keep_fds{};  // more fds for the child, at given numbers
+  bool close_other_fds = true;        // false: the child keeps what the parent had open
+  std::vector<int> close_fds{};       // closed in the child anyway (with close_other_fds false)
+  ProcessGroup group = ProcessGroup::kNew;
+  int parent_death_signal = SIGKILL;      // 0: none
+  const sigset_t* signal_mask = nullptr;  // the child's mask; nullptr: none blocked
+  const char* name = nullptr;             // comm (15 characters) for ps; must outlive start_child
+  bool reap_tree = false;                 // run under a subreaper that kills what is left
+  bool await_start = true;                // false: call Child::await_start() (parallel execs)
+  StopPolicy stop{};                      // what the destructor does with a running child
+  std::string what{};                     // names it in errors ("rank 3"); default: the exec path
+};
 
-// fork + child_setup + fn(ctx) with `envp` as the environment; the child _exits with its result.
-StartedChild fork_call(EntryFunction fn, const RankContext& ctx, char** envp, const ChildIo& io);
-
-UniqueFd open_pidfd(pid_t pid);
-
-// A watchdog process that outlives this one: it SIGKILLs the process groups it was told about
-// when this process dies without saying goodbye (kill -9 included), so that what a rank started
-// (a wrapper script's python) does not live on under PID 1 after the rank itself got its
-// parent-death signal. One per launch; its post-fork loop lives in child.cpp with the rest.
-// Limit: a descendant that left its rank's process group (setsid, setpgid) is not found.
-class TreeGuard {
+class Child {
  public:
-  TreeGuard();   // starts the watchdog (throws SpawnError when it cannot)
-  ~TreeGuard();  // says goodbye (nothing is killed) and reaps it
-  TreeGuard(const TreeGuard&) = delete;
-  TreeGuard& operator=(const TreeGuard&) = delete;
+  Child() = default;
+  Child(Child&& o) noexcept;
+  Child& operator=(Child&& o) noexcept;
+  Child(const Child&) = delete;
+  Child& operator=(const Child&) = delete;
+  ~Child();  // a running child: stop() by its policy
 
-  void watch(pid_t pgid) noexcept;   // a rank's group, as soon as the rank exists
-  void forget(pid_t pgid) noexcept;  // once the launcher has killed and reaped that group
   pid_t pid() const noexcept { return pid_; }
+  int pidfd() const noexcept { return pidfd_.get(); }  // readable once it exited
+  bool running() const noexcept { return pid_ > 0 && !reaped_; }
+  explicit operator bool() const noexcept { return pid_ > 0; }
+
+  // start_child with await_start = false: waits until the exec happened; throws SpawnError
+  // (127/126 semantics) and reaps the child when it failed.
+  void await_start();
+  // To its process group (kNew), else to the process; a reaper passes it on to the program.
+  void signal(int sig) noexcept;
+  // Reaps it if it has exited; nullopt while it runs.
+  std::optional<ExitStatus> try_wait();
+  ExitStatus wait();
+  // The stop policy: signal, grace, SIGKILL, reap. The status once reaped.
+  ExitStatus stop();
+  // Someone else reaps it (the fork server's waitpid(-1)); the handle forgets it.
+  pid_t release() noexcept;
 
  private:
-  void send(int op, pid_t pgid) noexcept;
+  friend Child start_child(const ChildOptions&);
+  ExitStatus reaped(ExitStatus s);  // adds the reaper's core flag, closes the handle
   pid_t pid_ = -1;
-  UniqueFd to_guard_;
+  UniqueFd pidfd_;
+  UniqueFd report_;  // the child's reports: a failed step, the reaper's news
+  bool reaped_ = false;
+  bool own_group_ = false;
+  bool reaper_ = false;
+  bool start_pending_ = false;
+  StopPolicy stop_;
+  std::string what_;
+  ExitStatus status_;
 };
+
+// Forks (the only fork() in forkguard outside the trace library's interposers). Throws
+// SpawnError: "failed to execute X: <errno>" (exit code 127/126) or "error preparing to execute
+// X: <step>: <errno>", with the step and errno the child reported through a close-on-exec pipe.
+Child start_child(const ChildOptions& options);
+
+UniqueFd open_pidfd(pid_t pid);
 
 }  // namespace forkguard::launch::detail

@@ -58,7 +58,7 @@ class Zygote {
   [[noreturn]] void serve() {
     // The launcher decides what stops the ranks: the zygote blocks the stop signals (a terminal's
     // Ctrl-C reaches its process group too). Blocked, not ignored: a rank forked from here keeps
-    // them pending until child_setup() restores the defaults, so none is lost.
+    // them pending until the child's set-up (launch/child.cpp) restores the defaults.
     sigset_t blocked;
     sigemptyset(&blocked);
     for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT}) sigaddset(&blocked, sig);
@@ -138,8 +138,16 @@ class Zygote {
     if (fn == nullptr) return reply_error(unknown_entry(r.name));
     check_clean();
     auto envp = c_array(r.env);
-    auto child = fork_call(fn, r.ctx, envp.data(), io);
-    send_message(sock_, encode(StartedReply{.pid = child.pid}), nullptr, 0);
+    const RankContext& ctx = r.ctx;
+    // Reaped by reap() (waitpid(-1)), which reports its exit: the handle is released.
+    pid_t pid = start_child({.main = [fn, &ctx] { return fn(ctx); },
+                             .environ_for_main = envp.data(),
+                             .stdout_fd = io.stdout_fd,
+                             .stderr_fd = io.stderr_fd,
+                             .reap_tree = true,
+                             .what = fmt::format("rank {}", ctx.rank)})
+                    .release();
+    send_message(sock_, encode(StartedReply{.pid = pid}), nullptr, 0);
   }
 
   void start_exec(const ExecRequest& r, const ChildIo& io) {
@@ -148,8 +156,13 @@ class Zygote {
       auto eq = kv.find('=');
       if (eq != std::string::npos) env[kv.substr(0, eq)] = kv.substr(eq + 1);
     }
-    auto child = spawn_exec(prepare_exec(r.argv, env), io);
-    send_message(sock_, encode(StartedReply{.pid = child.pid}), nullptr, 0);
+    const auto exec = prepare_exec(r.argv, env);
+    pid_t pid = start_child({.exec = &exec,
+                             .stdout_fd = io.stdout_fd,
+                             .stderr_fd = io.stderr_fd,
+                             .reap_tree = true})
+                    .release();
+    send_message(sock_, encode(StartedReply{.pid = pid}), nullptr, 0);
   }
 
   // The function's fd is the third attached fd.
@@ -159,20 +172,14 @@ class Zygote {
     if (!found) return reply_error(zygote_functions().unknown(r.function));
     check_clean();
     ZygoteFunction fn = *found;
-    const pid_t parent = ::getpid();
-    std::fflush(nullptr);
-    pid_t pid = ::fork();
-    if (pid < 0) return reply_error(fmt::format("fork: {}", std::strerror(errno)));
-    if (pid == 0) {
-      // A fork of the single-threaded zygote: the function may allocate.
-      int target = fd;
-      if (fd != 3) {
-        target = ::dup2(fd, 3) < 0 ? fd : 3;  // the zygote's own socket (3) is dropped here
-      }
-      if (!child_setup(parent, io, target)) ::_exit(1);
-      std::fflush(nullptr);
-      ::_exit(fn(target));
-    }
+    // A fork of the single-threaded zygote: the function may allocate. Its fd is 3 there (the
+    // zygote's own socket is not passed on).
+    pid_t pid = start_child({.main = [fn] { return fn(3); },
+                             .stdout_fd = io.stdout_fd,
+                             .stderr_fd = io.stderr_fd,
+                             .keep_fds = {{fd, 3, false}},
+                             .what = r.function})
+                    .release();
     send_message(sock_, encode(StartedReply{.pid = pid}), nullptr, 0);
   }
 
@@ -193,33 +200,19 @@ std::pair<pid_t, int> fork_zygote() {
   if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) {
     throw SystemError("fork server: socketpair", errno);
   }
-  const pid_t parent = ::getpid();
-  std::fflush(nullptr);
-  pid_t pid = ::fork();
-  if (pid < 0) {
-    int e = errno;
-    ::close(sv[0]);
-    ::close(sv[1]);
-    throw SystemError("fork server: fork", e);
-  }
-  if (pid == 0) {
-    // The zygote. init() runs before the program creates threads, so this process is a
-    // single-threaded copy and may allocate (a restart forks a program that may run threads: it
-    // only needs malloc, which glibc makes safe in a forked child, and its own state).
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (::getppid() != parent) ::_exit(0);
-    ::prctl(PR_SET_NAME, "forkguard-zygote");
-    ::close(sv[0]);
-    // Keep stdio and our socket; drop what the program had open.
-    if (sv[1] != 3) {
-      ::dup3(sv[1], 3, O_CLOEXEC);
-      ::close(sv[1]);
-    }
-    ::syscall(SYS_close_range, 4u, ~0u, 0u);
-    Zygote(3).serve();
-  }
-  ::close(sv[1]);
-  return {pid, sv[0]};
+  forkguard::detail::UniqueFd mine(sv[0]), theirs(sv[1]);
+  // The zygote. init() runs before the program creates threads, so this process is a
+  // single-threaded copy and may allocate (a restart forks a program that may run threads: it
+  // only needs malloc, which glibc makes safe in a forked child, and its own state). It keeps
+  // stdio and its socket (at 3), stays in the program's process group, and is reaped by its
+  // owner (the atexit handler, replace_dead_zygote).
+  pid_t pid = start_child({.main = []() -> int { Zygote(3).serve(); },
+                           .keep_fds = {{theirs.get(), 3, true}},
+                           .group = ProcessGroup::kInherit,
+                           .name = "forkguard-zygote",
+                           .what = "the fork server"})
+                  .release();
+  return {pid, mine.release()};
 }
 
 }  // namespace

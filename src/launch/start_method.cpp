@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <csignal>
+
 #include "forkguard/launch/launcher.hpp"
 #include "forkguard/probe/cuda_state.hpp"
 #include "launch/fork_server.hpp"
@@ -71,9 +73,15 @@ StartedRank start_rank(StartMethod method, const Job& job, const RankContext& ct
       if (job.is_entry()) {
         auto storage = detail::flatten(env);
         auto envp = detail::c_array(storage);
-        auto child = detail::fork_call(find_entry(job.entry), ctx, envp.data(), io);
-        r.pid = child.pid;
-        r.pidfd = std::move(child.pidfd);
+        r.child =
+            detail::start_child({.main = [fn = find_entry(job.entry), &ctx] { return fn(ctx); },
+                                 .environ_for_main = envp.data(),
+                                 .stdout_fd = io.stdout_fd,
+                                 .stderr_fd = io.stderr_fd,
+                                 .reap_tree = true,
+                                 .stop = {.signal = SIGKILL},
+                                 .what = fmt::format("rank {}", ctx.rank)});
+        r.pid = r.child.pid();
         break;
       }
       [[fallthrough]];
@@ -86,12 +94,15 @@ StartedRank start_rank(StartMethod method, const Job& job, const RankContext& ct
       }
       auto exec = detail::prepare_exec(argv, env);
       if (job.is_entry()) exec.path = "/proc/self/exe";
-      // Not waiting for the exec here lets the ranks exec in parallel; the supervisor checks.
-      auto child = detail::begin_exec(exec, io);
-      r.pid = child.pid;
-      r.pidfd = std::move(child.pidfd);
-      r.exec_check = std::move(child.exec_check);
-      r.exec_path = exec.path;
+      // Not waiting for the exec here lets the ranks exec in parallel; the supervisor checks
+      // (Child::await_start).
+      r.child = detail::start_child({.exec = &exec,
+                                     .stdout_fd = io.stdout_fd,
+                                     .stderr_fd = io.stderr_fd,
+                                     .reap_tree = true,
+                                     .await_start = false,
+                                     .stop = {.signal = SIGKILL}});
+      r.pid = r.child.pid();
       break;
     }
   }

@@ -48,10 +48,8 @@ ForkServer* server_for(const Job& job);
 
 struct StartedRank {
   pid_t pid = -1;
-  UniqueFd pidfd;           // readable when it exits (not for fork-server ranks)
+  Child child;              // started here (under its reaper); empty for fork-server ranks
   bool via_server = false;  // its exit comes as the fork server's report
-  UniqueFd exec_check;      // until the exec is known to have happened (spawn)
-  std::string exec_path;
 };
 
 // Starts one rank by `method` with `env` as its whole environment and stdio from `io`.

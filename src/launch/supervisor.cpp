@@ -26,10 +26,6 @@
 #include "launch/init_state.hpp"
 #include "launch/rank_output.hpp"
 
-#ifndef P_PIDFD
-#define P_PIDFD 3
-#endif
-
 namespace forkguard::launch::detail {
 namespace {
 
@@ -46,7 +42,7 @@ struct Rank {
   int local_rank = 0;
   int rank = 0;
   pid_t pid = -1;
-  UniqueFd pidfd;
+  Child child;  // unless via_server: the zygote's child
   bool running = false;
   bool via_server = false;
   bool console = true;
@@ -55,31 +51,21 @@ struct Rank {
   double seconds = 0;
   bool stopped_by_launcher = false;
   Stream out, err;
-  UniqueFd exec_check;  // until the exec is known to have happened
-  std::string exec_path;
 };
 
 using forkguard::detail::SignalCapture;
 
-void signal_group(const Rank& r, int sig) {
+void signal_group(Rank& r, int sig) {
+  if (r.child) return r.child.signal(sig);
   if (r.pid <= 0) return;
   if (::kill(-r.pid, sig) != 0) ::kill(r.pid, sig);  // not yet its own group leader
-}
-
-ExitStatus from_siginfo(const siginfo_t& info) {
-  switch (info.si_code) {
-    case CLD_EXITED: return ExitStatus::exited(info.si_status);
-    case CLD_KILLED: return ExitStatus::signaled(info.si_status, false);
-    case CLD_DUMPED: return ExitStatus::signaled(info.si_status, true);
-    default: return {};
-  }
 }
 
 class Attempt {
  public:
   Attempt(const Options& o, const Job& job, const Placement& place, const GpuPlan& gpus,
           StartMethod method, int restart, SignalCapture* signals,
-          const std::function<int()>& interrupted, OutputSink& sink, detail::TreeGuard* guard)
+          const std::function<int()>& interrupted, OutputSink& sink)
       : o_(o),
         job_(job),
         place_(place),
@@ -88,20 +74,13 @@ class Attempt {
         restart_(restart),
         signals_(signals),
         interrupted_(interrupted),
-        sink_(sink),
-        guard_(guard) {}
+        sink_(sink) {}
 
   ~Attempt() {
-    // Never leave a rank behind, whatever threw.
+    // Never leave a rank behind, whatever threw: killed here, reaped by their Child handles
+    // (stop policy: SIGKILL), each with what its reaper finds left of its tree.
     for (auto& r : ranks_) {
       if (r.running) signal_group(r, SIGKILL);
-    }
-    for (auto& r : ranks_) {
-      if (r.running && !r.via_server) ::waitpid(r.pid, nullptr, 0);
-    }
-    // Their groups are gone (killed here or in finish()): the watchdog no longer guards them.
-    for (auto& r : ranks_) {
-      if (r.pid > 0 && guard_ != nullptr) guard_->forget(r.pid);
     }
   }
 
@@ -181,21 +160,13 @@ class Attempt {
       r.started = Clock::now();
       auto child = detail::start_rank(method_, job_, ctx, env, io);
       r.pid = child.pid;
-      r.pidfd = std::move(child.pidfd);
+      r.child = std::move(child.child);
       r.via_server = child.via_server;
-      r.exec_check = std::move(child.exec_check);
-      r.exec_path = std::move(child.exec_path);
       r.running = true;
-      // Its own process group: what it starts dies with the launcher too.
-      if (guard_ != nullptr) guard_->watch(r.pid);
     }
     for (auto& r : ranks_) {
-      if (!r.exec_check) continue;
-      detail::StartedChild c;
-      c.pid = r.pid;
-      c.exec_check = std::move(r.exec_check);
-      r.running = false;  // await_exec reaps it when the exec failed
-      detail::await_exec(c, r.exec_path);
+      r.running = false;  // await_start reaps it when the exec failed
+      if (r.child) r.child.await_start();
       r.running = true;
     }
   }
@@ -307,8 +278,8 @@ class Attempt {
         src.push_back({nullptr, 4});
       }
       for (auto& r : ranks_) {
-        if (r.running && r.pidfd) {
-          fds.push_back({r.pidfd.get(), POLLIN, 0});
+        if (r.running && r.child) {
+          fds.push_back({r.child.pidfd(), POLLIN, 0});
           src.push_back({&r, 0});
         }
         if (r.out.fd) {
@@ -343,15 +314,9 @@ class Attempt {
         if (fds[i].revents == 0) continue;
         Rank* r = src[i].rank;
         switch (src[i].what) {
-          case 0: {
-            siginfo_t info{};
-            if (::waitid(static_cast<idtype_t>(P_PIDFD), static_cast<id_t>(r->pidfd.get()), &info,
-                         WEXITED) == 0) {
-              r->pidfd.reset();
-              on_exit(*r, from_siginfo(info));
-            }
+          case 0:
+            if (auto status = r->child.try_wait()) on_exit(*r, *status);
             break;
-          }
           case 1: read_stream(*r, r->out, false); break;
           case 2: read_stream(*r, r->err, true); break;
           case 3: {
@@ -416,7 +381,6 @@ class Attempt {
   SignalCapture* signals_;  // nullptr: interrupted_ instead
   const std::function<int()>& interrupted_;
   OutputSink& sink_;
-  detail::TreeGuard* guard_;  // nullptr: the attached fork server guards its ranks
   std::vector<Rank> ranks_;
   int root_cause_ = -1;
   bool stopping_ = false;
@@ -490,17 +454,12 @@ Result supervise(const Options& options, const Job& job, const Supervision& how)
         "machine; set it yourself to tune");
   }
   std::fflush(nullptr);  // what the caller printed comes before what the ranks print
-  // Before the signals are captured: it keeps the default mask. Not for the ranks of an attached
-  // fork server (notebook_launch's): it kills their groups itself when this process goes (EOF on
-  // its socket), and a watchdog would be one more fork of a large interpreter per launch.
-  std::optional<detail::TreeGuard> guard;
-  if (job.server == nullptr) guard.emplace();
   std::optional<SignalCapture> signals;
   if (!how.interrupted) signals.emplace(std::initializer_list<int>{SIGINT, SIGTERM, SIGHUP});
   Result result;
   for (int restart = 0;; ++restart) {
     Attempt attempt(o, job, place, gpus, method, restart, signals ? &*signals : nullptr,
-                    how.interrupted, sink, guard ? &*guard : nullptr);
+                    how.interrupted, sink);
     result = attempt.run();
     result.restarts = restart;
     result.gpu_plan = gpus.description;

@@ -1,7 +1,6 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -17,6 +16,7 @@
 #include <sstream>
 
 #include "detail/signal_capture.hpp"
+#include "forkguard/launch/launcher.hpp"
 #include "forkguard/trace/trace.hpp"
 #include "launch/child.hpp"
 
@@ -86,9 +86,6 @@ std::vector<std::string> traced_environment(const std::string& library, const st
 }
 
 int spawn_and_wait(const std::vector<std::string>& command, std::vector<std::string> env) {
-  auto args = command;
-  auto cargs = launch::detail::c_array(args);
-  auto cenv = launch::detail::c_array(env);
   // While the command runs, the signals that would end us are for it: blocked here and read from
   // a signalfd. ^C, ^\ and a hangup from the terminal already reach it (it is in our process
   // group), so those sent by the kernel are not sent again; one sent to us by a process (kill
@@ -103,41 +100,40 @@ int spawn_and_wait(const std::vector<std::string>& command, std::vector<std::str
       signals.each([](const signalfd_siginfo&) {});
     }
   } drop{signals};
-  auto forward = [&](pid_t to) {
-    signals.each([to](const signalfd_siginfo& info) {
-      if (info.ssi_code == SI_USER || info.ssi_code == SI_QUEUE) {
-        ::kill(to, static_cast<int>(info.ssi_signo));
-      }
-    });
-  };
-  // The child gets our signal mask from before, not the blocked set.
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  posix_spawnattr_setsigmask(&attr, &signals.saved_mask());
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK);
-  pid_t pid = -1;
-  int rc = ::posix_spawnp(&pid, args[0].c_str(), nullptr, &attr, cargs.data(), cenv.data());
-  posix_spawnattr_destroy(&attr);
-  if (rc != 0) {
-    throw TraceError("cannot run " + command[0] + ": " + std::strerror(rc),
-                     rc == ENOENT ? 127 : 126);
+  // The program runs under a reaper (launch/child.hpp): what it leaves running when it ends, or
+  // when this process dies, is killed. It stays in our process group (a terminal's signals and
+  // job control reach it as before) and gets our signal mask from before, not the blocked set.
+  auto exec = launch::detail::prepare_exec(command, launch::current_environment());
+  exec.env_storage = std::move(env);
+  exec.envp = launch::detail::c_array(exec.env_storage);
+  launch::detail::Child child;
+  try {
+    child = launch::detail::start_child({.exec = &exec,
+                                         .group = launch::detail::ProcessGroup::kInherit,
+                                         .signal_mask = &signals.saved_mask(),
+                                         .reap_tree = true,
+                                         .what = command[0]});
+  } catch (const launch::SpawnError& e) {
+    std::string why = e.what();
+    const std::string prefix = "failed to execute " + command[0] + ": ";
+    if (why.rfind(prefix, 0) == 0) why = why.substr(prefix.size());
+    throw TraceError("cannot run " + command[0] + ": " + why, e.exit_code());
   }
-  auto pidfd = launch::detail::open_pidfd(pid);
   for (;;) {
-    pollfd fds[2] = {{pidfd.get(), POLLIN, 0}, {signals.fd(), POLLIN, 0}};
+    pollfd fds[2] = {{child.pidfd(), POLLIN, 0}, {signals.fd(), POLLIN, 0}};
     if (::poll(fds, 2, -1) < 0 && errno != EINTR) {
       throw TraceError(std::string("poll: ") + std::strerror(errno), 2);
     }
-    if (fds[1].revents != 0) forward(pid);
+    if (fds[1].revents != 0) {
+      signals.each([&](const signalfd_siginfo& info) {
+        if (info.ssi_code == SI_USER || info.ssi_code == SI_QUEUE) {
+          child.signal(static_cast<int>(info.ssi_signo));
+        }
+      });
+    }
     if (fds[0].revents != 0) break;
   }
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0) {
-    if (errno != EINTR) throw TraceError(std::string("waitpid: ") + std::strerror(errno), 2);
-  }
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return 1;
+  return child.wait().shell_code();
 }
 
 std::vector<Event> read_events(const std::string& path, nlohmann::json* all) {

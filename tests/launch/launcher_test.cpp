@@ -128,12 +128,12 @@ bool is_fork_server(pid_t pid) {
   return server != nullptr && server->pid() == pid;
 }
 
-// The launch's watchdog (launch/child.hpp's TreeGuard), by the name it gives itself.
-bool is_tree_guard(pid_t pid) {
+// A rank's reaper (launch/child.hpp, reap_tree), by the name it gives itself once the rank runs.
+bool is_reaper(pid_t pid) {
   std::ifstream comm("/proc/" + std::to_string(pid) + "/comm");
   std::string name;
   std::getline(comm, name);
-  return name == "fg-tree-guard";
+  return name == "fg-reaper";
 }
 
 class Launcher : public ::testing::Test {
@@ -510,16 +510,18 @@ int main(int argc, char** argv) {
     auto m = fl::parse_start_method(mode);
     std::thread reporter([] {
       for (int i = 0; i < 500; ++i) {
-        std::vector<pid_t> ranks;
+        // Each rank is its reaper's child; the reapers are ours, or the zygote's.
+        std::vector<pid_t> reapers, ranks;
         for (pid_t c : ft::children_of(::getpid())) {
-          if (!is_fork_server(c) && !is_tree_guard(c)) ranks.push_back(c);
-        }
-        // Fork-server ranks are the zygote's children.
-        if (ranks.empty()) {
-          for (pid_t z : ft::children_of(::getpid())) {
-            if (is_tree_guard(z)) continue;
-            for (pid_t c : ft::children_of(z)) ranks.push_back(c);
+          if (is_reaper(c)) reapers.push_back(c);
+          if (is_fork_server(c)) {
+            for (pid_t r : ft::children_of(c)) {
+              if (is_reaper(r)) reapers.push_back(r);
+            }
           }
+        }
+        for (pid_t r : reapers) {
+          for (pid_t c : ft::children_of(r)) ranks.push_back(c);
         }
         if (ranks.size() == 3) {
           std::string line = "ready";

@@ -162,12 +162,15 @@ TEST_F(RunCli, NoRankSurvivesSigkillOfTheLauncher) {
 }
 
 TEST_F(RunCli, NothingARankStartedSurvivesSigkillOfTheLauncher) {
-  // A wrapper script whose python is the rank's child: the rank dies by its parent-death signal,
-  // and the launch's watchdog kills the rest of the rank's process group.
+  // A wrapper script whose pythons are the rank's children, one of them in its own session
+  // (setsid): the rank dies by its parent-death signal, and the rank's reaper (fg-reaper) kills
+  // the rest of its tree when the launcher is gone, whatever group or session they are in.
   const std::string wrapper = dir_.path() + "/wrapper.sh";
   std::ofstream(wrapper) << "#!/bin/sh\n"
                             "/usr/bin/python3 -c 'import time; time.sleep(60)' &\n"
-                            "echo \"$$ $!\"\n"
+                            "plain=$!\n"
+                            "setsid /usr/bin/python3 -c 'import time; time.sleep(60)' &\n"
+                            "echo \"$$ $plain $!\"\n"
                             "wait\n";
   ::chmod(wrapper.c_str(), 0755);
   for (const char* method : {"spawn", "forkserver"}) {
@@ -176,10 +179,10 @@ TEST_F(RunCli, NothingARankStartedSurvivesSigkillOfTheLauncher) {
                              env_);
     std::vector<pid_t> tree;
     for (int i = 0; i < 2; ++i) {
-      std::istringstream in(launcher.read_line(20s).substr(8));  // "[rankN]:SH PY"
-      pid_t sh = 0, py = 0;
-      in >> sh >> py;
-      tree.insert(tree.end(), {sh, py});
+      std::istringstream in(launcher.read_line(20s).substr(8));  // "[rankN]:SH PY SETSID_PY"
+      pid_t sh = 0, py = 0, own_session = 0;
+      in >> sh >> py >> own_session;
+      tree.insert(tree.end(), {sh, py, own_session});
     }
     for (pid_t p : tree) ASSERT_TRUE(ft::is_alive(p)) << p;
     ::kill(launcher.pid(), SIGKILL);
@@ -488,7 +491,8 @@ TEST_F(RunCli, CarriageReturnProgressIsShownAsItComes) {
 
 TEST_F(RunCli, MillionsOfCarriageReturnUpdatesKeepTheLauncherSmall) {
   // 3 million '\r' updates (about 100 MB without a newline): the launcher's peak RSS (read by
-  // the rank from its parent's /proc status at the end) stays that of a launcher at rest.
+  // the rank from its grandparent's /proc status at the end: its parent is its reaper) stays that
+  // of a launcher at rest.
   // Under ASan, freed blocks wait in its quarantine (256 MB) instead of being reused: the
   // launcher's own retention is what is measured, so the quarantine is off for it.
   const char* asan = std::getenv("ASAN_OPTIONS");
@@ -502,7 +506,11 @@ TEST_F(RunCli, MillionsOfCarriageReturnUpdatesKeepTheLauncherSmall) {
                               "    w('\\r%8d |##########| it/s' % i)\n"
                               "w('\\n')\n"
                               "sys.stdout.flush()\n"
-                              "for l in open('/proc/%d/status' % os.getppid()):\n"
+                              "def ppid(p):\n"
+                              "    return int([l for l in open('/proc/%d/status' % p)\n"
+                              "                if l.startswith('PPid:')][0].split()[1])\n"
+                              "launcher = ppid(os.getppid())  # the parent is the rank's reaper\n"
+                              "for l in open('/proc/%d/status' % launcher):\n"
                               "    if l.startswith('VmHWM:'): print('peak', l.split()[1])\n",
                               updates)});
     EXPECT_EQ(r.exit_code, 0) << r.err;

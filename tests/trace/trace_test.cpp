@@ -7,13 +7,16 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <sstream>
 #include <string>
+#include <thread>
 
 #include "paths.hpp"
 
@@ -302,6 +305,37 @@ TEST_F(Trace, SigtermToTraceReachesTheProgramAndLeavesNoTemporaryFile) {
     EXPECT_TRUE(std::filesystem::is_empty(tmp))
         << "signal " << sig << ": a file is left in " << tmp;
   }
+}
+
+TEST_F(Trace, SigtermToTraceLeavesNothingOfTheTracedTreeAlive) {
+  // The traced program is a wrapper whose pythons are its children, one in its own session: the
+  // SIGTERM reaches the wrapper, and its reaper kills what the wrapper leaves behind.
+  const std::string tmp = dir_.path() + "/tmp";
+  ASSERT_EQ(::mkdir(tmp.c_str(), 0700), 0);
+  auto env = env_;
+  env["TMPDIR"] = tmp;
+  ft::Interactive traced({ft::kForkguard, "trace", "--quiet", "--", "/bin/sh", "-c",
+                          "/usr/bin/python3 -c 'import time; time.sleep(60)' & plain=$!; "
+                          "setsid /usr/bin/python3 -c 'import time; time.sleep(60)' & "
+                          "echo $$ $plain $!; wait"},
+                         env);
+  std::istringstream in(traced.read_line(20s));
+  std::vector<pid_t> tree;
+  for (pid_t p; in >> p;) tree.push_back(p);
+  ASSERT_EQ(tree.size(), 3u);
+  ::kill(traced.pid(), SIGTERM);
+  int status = traced.finish();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM) << status;
+  const auto deadline = std::chrono::steady_clock::now() + 1s;
+  while (std::chrono::steady_clock::now() < deadline &&
+         std::any_of(tree.begin(), tree.end(), ft::is_alive)) {
+    std::this_thread::sleep_for(10ms);
+  }
+  for (pid_t p : tree) {
+    EXPECT_FALSE(ft::is_alive(p)) << p << " outlived forkguard trace";
+    if (ft::is_alive(p)) ::kill(p, SIGKILL);
+  }
+  EXPECT_TRUE(std::filesystem::is_empty(tmp)) << "a file is left in " << tmp;
 }
 
 TEST_F(Trace, TheLibraryChangesNothingInAProgramThatNeverTouchesCuda) {
