@@ -11,24 +11,13 @@
 #include "data/worker_protocol.hpp"
 #include "detail/seqpacket.hpp"
 #include "forkguard/error.hpp"
+#include "round_trip.hpp"
 
 namespace {
 
 using namespace forkguard::data::detail;
 
-std::vector<std::string> wire(const std::vector<std::string>& f) {
-  const std::string bytes = forkguard::detail::encode(f);
-  return forkguard::detail::decode(bytes.data(), bytes.size());
-}
-
-template <class Variant, class Decode>
-void check_round_trip(const Variant& v, Decode decode) {
-  std::visit(
-      [&](const auto& m) {
-        if (decode(wire(encode(m))) != Variant(m)) std::abort();
-      },
-      v);
-}
+using forkguard::fuzz::check_round_trip;
 
 }  // namespace
 

@@ -12,24 +12,13 @@
 #include "detail/seqpacket.hpp"
 #include "forkguard/error.hpp"
 #include "launch/zygote_protocol.hpp"
+#include "round_trip.hpp"
 
 namespace {
 
 using namespace forkguard::launch::detail;
 
-std::vector<std::string> wire(const std::vector<std::string>& f) {
-  const std::string bytes = forkguard::detail::encode(f);
-  return forkguard::detail::decode(bytes.data(), bytes.size());
-}
-
-template <class Variant, class Decode>
-void check_round_trip(const Variant& v, Decode decode) {
-  std::visit(
-      [&](const auto& m) {
-        if (decode(wire(encode(m))) != Variant(m)) std::abort();
-      },
-      v);
-}
+using forkguard::fuzz::check_round_trip;
 
 }  // namespace
 
