@@ -14,6 +14,45 @@ ENV_KEYS = ["RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"
             "NODE_RANK", "FORK_LAUNCHED"]
 
 
+def server_children():
+    srv = forkguard._launch._server
+    if srv is None or not srv.alive():
+        return []
+    kids = []
+    for tid in os.listdir(f"/proc/{srv.pid}/task"):
+        with open(f"/proc/{srv.pid}/task/{tid}/children") as f:
+            kids += f.read().split()
+    return kids
+
+
+def open_fds():
+    fds = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:  # the listing's own
+            pass
+    return fds
+
+
+@pytest.fixture(scope="module", autouse=True)
+def server():
+    forkguard.start_server(wait=True)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind(server, request):
+    """After each test: no rank left under the fork server, no new fd here (but in the notebook
+    test, where the launch is the kernel's and nbclient's ZeroMQ keeps its own), no /dev/shm file."""
+    fds, shm = open_fds(), set(os.listdir("/dev/shm"))
+    yield
+    assert server_children() == []
+    if "notebook" not in request.node.name:
+        assert open_fds().items() <= fds.items()
+    assert set(os.listdir("/dev/shm")) <= shm
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
