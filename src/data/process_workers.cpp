@@ -358,7 +358,7 @@ class ProcessWorkers : public Workers {
       if (fds.empty()) return std::nullopt;
       int timeout = -1;
       if (deadline) {
-        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - Clock::now());
+        auto left = std::chrono::ceil<std::chrono::milliseconds>(*deadline - Clock::now());
         timeout = static_cast<int>(std::max<long>(0, left.count()));
       }
       int r = ::poll(fds.data(), fds.size(), timeout);
@@ -521,7 +521,7 @@ class ProcessWorkers : public Workers {
       pollfd q{p.sock.get(), POLLIN, 0};
       int r;
       do {
-        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - Clock::now());
+        auto left = std::chrono::ceil<std::chrono::milliseconds>(*deadline - Clock::now());
         r = ::poll(&q, 1, static_cast<int>(std::max<long>(0, left.count())));
       } while (r < 0 && errno == EINTR);
       if (r == 0) {

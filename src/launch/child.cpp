@@ -655,8 +655,8 @@ ExitStatus Child::stop() {
     pollfd p{pidfd_.get(), POLLIN, 0};
     const auto deadline = std::chrono::steady_clock::now() + t;
     for (;;) {
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-          deadline - std::chrono::steady_clock::now());
+      auto left =
+          std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
       if (left.count() <= 0 || ::poll(&p, 1, static_cast<int>(left.count())) > 0) break;
     }
     return try_wait().has_value();

@@ -318,8 +318,8 @@ std::optional<int> ForkServer::wait_exit(pid_t pid, std::chrono::milliseconds ti
         return status;
       }
     }
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
+    auto left =
+        std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) return std::nullopt;
     pollfd p{sock_.get(), POLLIN, 0};
     lock.unlock();  // another thread may be reading the same socket meanwhile

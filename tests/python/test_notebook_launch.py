@@ -149,16 +149,24 @@ def big_result(mb):
 
 
 def test_a_200_mb_return_value_arrives_in_linear_time():
-    # The best of two (this machine's other tests may hold both cores for a moment); it took
-    # minutes when the bytes were gathered quadratically.
-    took = []
-    for _ in range(2):
-        start = time.monotonic()
-        res = forkguard.notebook_launch(big_result, nproc=1, args=(200,))
-        took.append(time.monotonic() - start)
-        assert len(res[0]) == 200 << 20 and res[0][:1 << 20] * 200 == res[0]
-        del res
-    assert min(took) < 2.0, f"200 MB took {took} s"
+    # Linear, not quadratic: 200 MB takes about 4 times what 50 MB takes (16 times when the bytes
+    # were gathered quadratically: 32 MB took 24 s, 200 MB over 100 s). A ratio, not a bound in
+    # seconds: the cost is mostly first touches of fresh pages (making the value in the rank, the
+    # copy pickle.load makes here), whose speed is the machine's (1.8-2.3 s for 200 MB on the
+    # 2-core CI machine and here). The best of three each: other tests may hold both cores.
+    def best(mb):
+        took = []
+        for _ in range(3):
+            start = time.monotonic()
+            res = forkguard.notebook_launch(big_result, nproc=1, args=(mb,))
+            took.append(time.monotonic() - start)
+            assert len(res[0]) == mb << 20 and res[0][:1 << 20] * mb == res[0]
+            del res
+        return min(took)
+
+    small, large = best(50), best(200)
+    print(f"return value of 50 MB: {small:.2f} s, 200 MB: {large:.2f} s")
+    assert large < 8 * small and large < 20, f"50 MB took {small:.2f} s, 200 MB {large:.2f} s"
 
 
 def cut_short():
