@@ -7,6 +7,8 @@
     forkguard.guard()                          # multiprocessing's fork: plain when fork-safe,
                                                # else from the clean interpreter fork server
     forkguard.notebook_launcher(train, num_processes=2)  # accelerate's, same arguments
+    loader = forkguard.DataLoader(my_dataset, batch_size=32, num_workers=4)  # torch's, with
+                                               # workers that survive a CUDA-touching parent
     for images, labels in forkguard.ImageLoader("/data/train", batch_size=64, workers=4):
         x = torch.from_dlpack(images)          # no copy
 
@@ -30,7 +32,7 @@ from ._probe import Evidence, ForkUnsafeError, ProbeResult, ensure_fork_safe, pr
 __version__ = _native.__version__
 
 __all__ = [
-    "DLTensor", "DataError", "DirtyForkWarning", "Error", "Evidence", "ForkUnsafeError",
+    "CudaInWorkerError", "CudaInWorkerWarning", "DLTensor", "DataError", "DataLoader", "DirtyForkWarning", "Error", "Evidence", "ForkUnsafeError",
     "ImageLoader", "LoaderTimeoutError", "ProbeError", "ProbeResult", "RankError", "RerouteError",
     "WorkerError", "default_preload", "ensure_fork_safe", "guard", "notebook_launch",
     "notebook_launcher", "probe", "start_server", "stop_server", "unguard",
@@ -40,3 +42,12 @@ if not _os.environ.get("FORKGUARD_NO_FORK_SERVER"):
     _native.start_fork_server()
 
 _guard.guard_from_environment()
+
+
+def __getattr__(name):
+    # forkguard.DataLoader and its exceptions import torch: only when asked for.
+    if name in ("DataLoader", "CudaInWorkerError", "CudaInWorkerWarning"):
+        from . import _dataloader
+
+        return getattr(_dataloader, name)
+    raise AttributeError(f"module 'forkguard' has no attribute {name!r}")

@@ -181,6 +181,56 @@ def _rank_main(fields, fds):
         os._exit(code)
 
 
+def _start_dataloader_worker(fds, close):
+    """Forks a forkguard.DataLoader worker (_dataloader.py) on the loader's socket, the third fd;
+    its PID, or why it could not."""
+    out_fd, err_fd, job_fd = fds
+    try:
+        pid = os.fork()
+    except OSError as e:
+        for f in fds:
+            os.close(f)
+        return f"fork: {e}"
+    if pid != 0:
+        for f in fds:
+            os.close(f)
+        return pid
+    code = 1
+    try:
+        for f in close:
+            os.close(f)
+        try:
+            import ctypes
+
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the server
+        except Exception:  # noqa: BLE001 - best effort; the worker also ends at its socket's EOF
+            pass
+        for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.set_wakeup_fd(-1)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
+        os.close(out_fd)
+        os.close(err_fd)
+        os.environ["FORKGUARD_NO_FORK_SERVER"] = "1"  # the package's import starts none here
+        from forkguard import _dataloader_worker
+
+        del os.environ["FORKGUARD_NO_FORK_SERVER"]
+
+        code = _dataloader_worker.server_main(job_fd)
+    except BaseException:  # noqa: BLE001 - a worker never returns into the server's loop
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
 def main():
     sock = socket.socket(fileno=int(sys.argv[1]))
     os.set_inheritable(sock.fileno(), False)
@@ -237,6 +287,15 @@ def main():
                     for f in fds:
                         os.close(f)
                     ranks.add(pid)
+                    send(sock, ["started", pid])
+                elif op == "call" and len(fields) == 2 and len(fds) == 3 and \
+                        fields[1] == "forkguard.dataloader_worker":
+                    pid = _start_dataloader_worker(fds, (sock.fileno(), wake_r, wake_w))
+                    if isinstance(pid, str):
+                        send(sock, ["error", pid])
+                        continue
+                    ranks.add(pid)
+                    guard_pids.add(pid)  # in the caller's group: killed by PID, not by group
                     send(sock, ["started", pid])
                 elif op == "guard_start":  # forkguard.guard(): see _guard_child.py
                     reply = _guard_child().start(fds, (sock.fileno(), wake_r, wake_w))

@@ -42,6 +42,7 @@
 namespace py = pybind11;
 
 void bind_notebook(py::module_& m);
+void bind_dataloader(py::module_& m);
 namespace fd = forkguard::data;
 namespace probe = forkguard::probe;
 
@@ -457,7 +458,8 @@ PYBIND11_MODULE(_native, m) {
   g_probe_error = probe_error;
   py::register_exception_translator(&translate_errors);  // tried before the plain ones
 
-  bind_notebook(m);  // notebook_launch's supervision (notebook.cpp)
+  bind_notebook(m);    // notebook_launch's supervision (notebook.cpp)
+  bind_dataloader(m);  // forkguard.DataLoader's worker queue (dataloader.cpp)
 
   py::class_<ProbeResult>(m, "_ProbeResult")
       .def_property_readonly("pid", [](const ProbeResult& r) { return r.state.pid; })

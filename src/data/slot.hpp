@@ -42,6 +42,9 @@ class Mapping {
   std::byte* data() const { return data_; }
   size_t size() const { return size_; }
   int fd() const { return fd_.get(); }
+  // Maps `bytes` of the memfd instead (data() may move); `grow_file`: ftruncate it to that size
+  // first (the file only ever grows: another process may map it whole).
+  void resize(size_t bytes, bool grow_file);
 
  private:
   forkguard::detail::UniqueFd fd_;

@@ -1,0 +1,333 @@
+"""forkguard.DataLoader: torch.utils.data.DataLoader whose workers never meet "Cannot re-initialize
+CUDA in forked subprocess".
+
+torch's class does everything but the workers: the constructor and its checks, the samplers (so
+the same order for the same generator), collation, len(), the single-process iterator. With
+num_workers > 0 the iterator is forkguard's: the loader core (src/data/job_workers.hpp, through
+_native._JobQueue) starts the workers, hands them the batches' indices round-robin with
+prefetch_factor batches in flight per worker, moves each collated batch through the worker's
+memfd slot (tensors and arrays written once, viewed here without a copy; nothing in /dev/shm) and
+delivers the batches in order, reporting a worker that died with its PID, signal and the samples
+it held. The workers are forks of this process while it is fork-safe (nothing pickled, as torch
+does), else children of forkguard's clean interpreter fork server, which receive the dataset,
+collate_fn and worker_init_fn by value (cloudpickle).
+"""
+import gc
+import os
+import pickle
+import signal
+import sys
+import warnings
+from typing import TypeVar
+
+import torch
+from torch.utils.data import IterDataPipe, MapDataPipe
+from torch.utils.data import dataloader as _torch_dl
+from torch.utils.data.dataloader import DataLoader as _TorchDataLoader
+
+from . import _batch_codec, _dataloader_worker, _native
+
+T_co = TypeVar("T_co", covariant=True)
+
+_WORKER_STARTS = ("auto", "fork", "server")
+_CUDA_POLICIES = ("warn", "error", "allow")
+_BAD_SAMPLE = ("error", "skip")
+_said = set()
+
+
+class CudaInWorkerError(RuntimeError):
+    """A DataLoader worker initialized CUDA, and cuda_in_workers="error"."""
+
+
+class CudaInWorkerWarning(UserWarning):
+    """A DataLoader worker initialized CUDA (cuda_in_workers="warn", said once per loader)."""
+
+
+class DataLoader(_TorchDataLoader[T_co]):
+    """torch.utils.data.DataLoader, with forkguard's workers. Keyword-only extras:
+
+    worker_start: "auto" forks the workers while this process is fork-safe and starts them from
+        the clean fork server once it is not; "fork" or "server" forces one (the environment
+        variable FORKGUARD_WORKER_START overrides "auto").
+    cuda_in_workers: what a worker that initialized CUDA gets: "warn" (once), "error"
+        (CudaInWorkerError naming the stage), "allow".
+    seed: every sample's random state (Python's, numpy's, torch's) derives from (seed, epoch,
+        index): the same batches for any num_workers and worker_start.
+    bad_sample: "error" re-raises a sample's exception (torch's behaviour); "skip" replaces the
+        sample by another, chosen deterministically, counted and said once per index.
+    """
+
+    def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
+                 num_workers=0, collate_fn=None, pin_memory=False, drop_last=False, timeout=0,
+                 worker_init_fn=None, multiprocessing_context=None, generator=None, *,
+                 prefetch_factor=2, persistent_workers=False, pin_memory_device="",
+                 worker_start="auto", cuda_in_workers="warn", seed=None, bad_sample="error"):
+        for name, value, allowed in (("worker_start", worker_start, _WORKER_STARTS),
+                                     ("cuda_in_workers", cuda_in_workers, _CUDA_POLICIES),
+                                     ("bad_sample", bad_sample, _BAD_SAMPLE)):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, "
+                                 f"not {value!r}")
+        if seed is not None and not isinstance(seed, int):
+            raise ValueError(f"seed must be an int or None, not {seed!r}")
+        self.worker_start = worker_start
+        self.cuda_in_workers = cuda_in_workers
+        self.seed = seed
+        self.bad_sample = bad_sample
+        self.epoch = 0
+        super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers,
+                         collate_fn, pin_memory, drop_last, timeout, worker_init_fn,
+                         multiprocessing_context, generator, prefetch_factor=prefetch_factor,
+                         persistent_workers=persistent_workers,
+                         pin_memory_device=pin_memory_device)
+
+    def _get_iterator(self):
+        if self.num_workers == 0:
+            return _torch_dl._SingleProcessDataLoaderIter(self)
+        self.check_worker_number_rationality()
+        return _Iter(self)
+
+
+def _start_method(loader):
+    """("fork" | "server", why): how this loader's workers start."""
+    choice = loader.worker_start
+    if choice == "auto":
+        choice = os.environ.get("FORKGUARD_WORKER_START", "auto")
+        if choice not in _WORKER_STARTS:
+            raise ValueError(f"FORKGUARD_WORKER_START must be one of "
+                             f"{', '.join(_WORKER_STARTS)}, not {choice!r}")
+    ctx = loader.multiprocessing_context
+    if choice == "auto" and ctx is not None:
+        method = ctx.get_start_method()
+        if method in ("spawn", "forkserver"):
+            # A clean interpreter is what was asked for: the fork server gives one, faster.
+            return "server", f"multiprocessing_context={method!r}"
+        if method == "fork":
+            return "fork", "multiprocessing_context='fork'"
+    if choice != "auto":
+        return choice, f"worker_start={choice!r}"
+    dirty = _native.probe_if_fork_unsafe()
+    if dirty is None:
+        return "fork", "this process is fork-safe"
+    key = ("server", dirty.verdict)
+    if key not in _said:
+        _said.add(key)
+        print(f"forkguard.DataLoader: this process (PID {os.getpid()}) is {dirty.verdict} "
+              f"({dirty.summary}), so its workers start from forkguard's clean fork server "
+              "(the dataset, collate_fn and worker_init_fn travel by value).",
+              file=sys.stderr, flush=True)
+    return "server", f"this process is {dirty.verdict}"
+
+
+def _dumps(spec):
+    """cloudpickle of the workers' spec; an error names the attribute that cannot travel."""
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:  # noqa: BLE001 - re-raised with the path to what failed
+        path = _unpicklable_path(spec, "", set())
+        raise TypeError(
+            f"forkguard.DataLoader: the workers start from the clean fork server, so the "
+            f"dataset, collate_fn and worker_init_fn travel by value, and "
+            f"{path or 'the dataset'} cannot ({type(e).__name__}: {e}). Give that object "
+            f"__getstate__/__setstate__ (open it again in the worker, e.g. in worker_init_fn), "
+            f"or keep this process fork-safe so that workers are forked.") from e
+
+
+def _unpicklable_path(obj, path, seen):
+    """The deepest attribute path under obj that cloudpickle refuses, or ""."""
+    import cloudpickle
+
+    if id(obj) in seen:
+        return ""
+    seen.add(id(obj))
+    children = []
+    if isinstance(obj, dict):
+        children = [(f"{path}[{k!r}]" if path else str(k), v) for k, v in obj.items()]
+    elif isinstance(obj, (list, tuple)):
+        children = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        children = [(f"{path}.{k}", v) for k, v in vars(obj).items()]
+    for child_path, child in children:
+        try:
+            cloudpickle.dumps(child)
+        except Exception:  # noqa: BLE001 - this one fails: look deeper
+            return _unpicklable_path(child, child_path, seen) or child_path
+    return ""
+
+
+class _WorkerProcess:
+    """torch's iterator lists its workers as multiprocessing.Process objects: the same answers."""
+
+    def __init__(self, queue, worker):
+        self._queue, self._worker = queue, worker
+        self.pid = queue.pid(worker)
+
+    def _status(self, timeout=0.0):
+        return self._queue.exit_status(self._worker, timeout)
+
+    def is_alive(self):
+        return self._status() is None
+
+    def join(self, timeout=None):
+        self._status(3600.0 * 24 if timeout is None else timeout)
+
+    @property
+    def exitcode(self):
+        s = self._status()
+        if s is None:
+            return None
+        return -s[0] if s[0] else s[1]
+
+    def terminate(self):
+        self._signal(signal.SIGTERM)
+
+    def kill(self):
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, sig):
+        if self.is_alive():
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+class _Iter(_torch_dl._BaseDataLoaderIter):
+    def __init__(self, loader):
+        super().__init__(loader)
+        assert self._num_workers > 0 and self._prefetch_factor > 0
+        self._shutdown = True  # until the workers started
+        self._loader_epoch = loader.epoch
+        self._cuda_policy = loader.cuda_in_workers
+        self._cuda_said = False
+        worker_init_fn = loader.worker_init_fn
+        if isinstance(self._dataset, (IterDataPipe, MapDataPipe)):
+            import functools
+
+            worker_init_fn = functools.partial(_torch_dl._sharding_worker_init_fn,
+                                               worker_init_fn, self._world_size, self._rank)
+        start, self._why = _start_method(loader)
+        spec = {
+            "dataset_kind": self._dataset_kind, "dataset": self._dataset,
+            "auto_collation": self._auto_collation, "collate_fn": self._collate_fn,
+            "drop_last": self._drop_last, "base_seed": self._base_seed,
+            "worker_init_fn": worker_init_fn, "num_workers": self._num_workers,
+            "shared_seed": self._shared_seed, "seed": loader.seed, "epoch": loader.epoch,
+            "cuda_in_workers": loader.cuda_in_workers, "bad_sample": loader.bad_sample,
+        }
+        if start == "fork":
+            # The dataset's objects out of the collector's reach: a forked worker's reference
+            # counting alone then dirties their pages, not a collection walking all of them.
+            gc.freeze()
+            queue = _native._JobQueue(self._num_workers, self._prefetch_factor, "fork",
+                                      _dataloader_worker.make(spec), None, None, "", b"", 0.0,
+                                      1 << 20, "fg-dl-worker")
+        else:
+            from . import _launch
+
+            spec.update(cwd=os.getcwd(), sys_path=list(sys.path))
+            setup = _dumps(spec)
+            server_pid = _launch.start_server(wait=True)
+            queue = _native._JobQueue(self._num_workers, self._prefetch_factor, "server", None,
+                                      server_pid, _launch._server.sock.fileno(),
+                                      "forkguard.dataloader_worker", setup, 0.0, 1 << 20,
+                                      "fg-dl-worker")
+        self._queue = queue
+        self._shutdown = False
+        self._workers = [_WorkerProcess(queue, w) for w in range(self._num_workers)]
+        try:
+            queue.await_started()
+        except Exception:
+            self._shutdown_workers()
+            raise
+        self._reset(loader, first_iter=True)
+
+    def _reset(self, loader, first_iter=False):
+        super()._reset(loader, first_iter)
+        self._task_info = {}  # job -> the sampler's index (or indices) it fetches
+        if not first_iter:
+            while self._queue.next(None) is not None:  # what the last pass left in flight
+                pass
+            self._queue.reactivate()
+            resumed = set()
+            request = pickle.dumps(("resume", self._shared_seed, loader.epoch))
+            for w in range(self._num_workers):
+                resumed.add(self._queue.submit(request, w)[0])
+            while resumed:
+                r = self._queue.next(None)
+                if r is None:
+                    break
+                self._check(r)
+                resumed.discard(r[1])
+        self._fill()
+
+    def _fill(self):
+        while self._queue.wants_job():
+            try:
+                index = self._next_index()
+            except StopIteration:
+                return
+            job, _ = self._queue.submit(pickle.dumps(("fetch", index), protocol=5))
+            self._task_info[job] = index
+
+    def _check(self, r):
+        """Raises for a timeout or a dead worker."""
+        if r[0] == "timeout":
+            raise RuntimeError("DataLoader timed out after {} seconds".format(self._timeout))
+        if r[0] == "died":
+            _, worker, pid, sig, code, how, held = r
+            indices = [self._task_info[j] for j in held if j in self._task_info]
+            self._shutdown_workers()
+            if sig:
+                text = "DataLoader worker (pid {}) is killed by signal: {}. ".format(
+                    pid, signal.strsignal(sig))
+            else:
+                text = "DataLoader worker (pid {}) exited unexpectedly with exit code {}. ".format(
+                    pid, code)
+            if indices:
+                text += "It held the samples {}.".format(
+                    ", ".join(_dataloader_worker._short(i) for i in indices))
+            raise RuntimeError(text)
+
+    def _next_data(self):
+        while True:
+            if self._shutdown:
+                raise StopIteration
+            self._fill()
+            r = self._queue.next(self._timeout if self._timeout > 0 else None)
+            if r is None:
+                if not self._persistent_workers:
+                    self._shutdown_workers()
+                raise StopIteration
+            self._check(r)
+            _, job, worker, pid, kind, buf, message = r
+            self._task_info.pop(job, None)
+            data = _batch_codec.decode(buf, memoryview(buf))
+            del buf
+            self._fill()
+            if kind == _dataloader_worker.CUDA:
+                self._cuda_found(message.decode(errors="replace"))
+            if kind == _dataloader_worker.ERROR:
+                data.reraise()
+            if self._pin_memory:
+                data = torch.utils.data._utils.pin_memory.pin_memory(data, self._pin_memory_device)
+            return data
+
+    def _cuda_found(self, text):
+        if self._cuda_policy == "error":
+            self._shutdown_workers()
+            raise CudaInWorkerError(text)
+        if self._cuda_policy == "warn" and not self._cuda_said:
+            self._cuda_said = True
+            warnings.warn(text, CudaInWorkerWarning, stacklevel=3)
+
+    def _shutdown_workers(self):
+        if getattr(self, "_shutdown", True):
+            return
+        self._shutdown = True
+        self._queue.stop()
+
+    def __del__(self):
+        self._shutdown_workers()

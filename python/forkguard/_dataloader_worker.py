@@ -1,0 +1,198 @@
+"""A forkguard.DataLoader worker: the body the loader core (src/data/job_workers.hpp) runs for each
+job, in a fork of the loader's process or in a child of the clean Python fork server.
+
+A job's input is a pickled request: ("fetch", index) fetches and collates one batch (the index or
+indices the sampler gave), ("resume", shared_seed) starts a new pass (persistent workers). The
+output replaces it in the slot: the batch through _batch_codec (tensors and arrays raw, the rest
+pickled), or the ExceptionWrapper of what the user's code raised. The worker prepares itself as
+torch's own worker loop does (torch/utils/data/_utils/worker.py): one intra-op thread, Python's,
+numpy's and torch's generators seeded from the base seed and the worker id, get_worker_info(), the
+worker_init_fn, the dataset's fetcher; with forkguard's `seed`, every sample is instead seeded
+from (seed, epoch, index), whatever worker makes it.
+"""
+import os
+import pickle
+import random
+import sys
+
+import torch
+from torch._utils import ExceptionWrapper
+from torch.utils.data import IterDataPipe, _DatasetKind
+from torch.utils.data._utils import signal_handling
+from torch.utils.data._utils import worker as _torch_worker
+
+from . import _batch_codec
+
+# The kinds of src/data/job_workers.hpp's JobKind.
+OK, ERROR, END, CUDA = 0, 1, 2, 3
+
+
+def sample_seed(seed, epoch, index):
+    """The seed of one sample under DataLoader(seed=...): the same for any worker count."""
+    mask = (1 << 64) - 1
+    x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + (hash(index) & mask)) & mask
+    x ^= x >> 31
+    x = (x * 0x94D049BB133111EB) & mask
+    return x ^ (x >> 29)
+
+
+def seed_everything(s):
+    random.seed(s)
+    torch.manual_seed(s)
+    try:
+        import numpy as np
+    except ImportError:
+        return
+    np.random.seed(s & 0xFFFFFFFF)
+
+
+class _SeededDataset:
+    """Map-style dataset wrapper: seeds the generators before each sample (DataLoader(seed=))."""
+
+    def __init__(self, dataset, seed, epoch):
+        self.dataset, self.seed, self.epoch = dataset, seed, epoch
+
+    def __getitem__(self, index):
+        seed_everything(sample_seed(self.seed, self.epoch, index))
+        return self.dataset[index]
+
+    def __len__(self):
+        return len(self.dataset)
+
+
+class Worker:
+    """Called by the core for each job: (kind, bytes, message)."""
+
+    def __init__(self, spec, worker_id):
+        self.spec = spec
+        self.worker_id = worker_id
+        self.cuda_said = False
+        signal_handling._set_worker_signal_handlers()
+        torch.set_num_threads(1)
+        seed = spec["base_seed"] + worker_id
+        random.seed(seed)
+        torch.manual_seed(seed)
+        try:
+            import numpy as np
+
+            np.random.seed(_torch_worker._generate_state(spec["base_seed"], worker_id))
+        except ImportError:
+            pass
+        dataset = spec["dataset"]
+        self.shared_rng = torch.Generator()
+        if isinstance(dataset, IterDataPipe):
+            from torch.utils.data.graph_settings import apply_random_seed
+
+            self.shared_rng.manual_seed(spec["shared_seed"])
+            dataset = apply_random_seed(dataset, self.shared_rng)
+        self.dataset = dataset
+        _torch_worker._worker_info = _torch_worker.WorkerInfo(
+            id=worker_id, num_workers=spec["num_workers"], seed=seed, dataset=dataset)
+        self.init_exception = None
+        self.iteration_end = False
+        self.epoch = spec["epoch"]
+        try:
+            if spec["worker_init_fn"] is not None:
+                spec["worker_init_fn"](worker_id)
+            self.fetcher = self._fetcher()
+        except Exception:
+            self.init_exception = ExceptionWrapper(
+                where="in DataLoader worker process {}".format(worker_id))
+        self.pending_cuda = self._cuda_after("worker_init_fn")
+
+    def _fetcher(self):
+        s = self.spec
+        dataset = self.dataset
+        if s["seed"] is not None and s["dataset_kind"] == _DatasetKind.Map:
+            dataset = _SeededDataset(dataset, s["seed"], self.epoch)
+        return _DatasetKind.create_fetcher(s["dataset_kind"], dataset, s["auto_collation"],
+                                           s["collate_fn"], s["drop_last"])
+
+    def _cuda_after(self, stage):
+        """What CUDA state this worker has now, said about `stage`, or None."""
+        if self.spec["cuda_in_workers"] == "allow" or self.cuda_said:
+            return None
+        from . import _native
+
+        found = _native.probe_if_fork_unsafe()
+        if found is None:
+            return None
+        self.cuda_said = True
+        return (f"DataLoader worker {self.worker_id} (PID {os.getpid()}) initialized CUDA in "
+                f"{stage}: {found.summary}. Each worker that does so holds its own CUDA context "
+                "(hundreds of MB of GPU memory, seconds to create). Cure: return CPU tensors "
+                "from the Dataset and collate_fn, and move each batch to the GPU in the training "
+                "loop (pin_memory=True makes that copy fast).")
+
+    def __call__(self, job, slot):
+        request = pickle.loads(slot.input())
+        if request[0] == "resume":
+            self.iteration_end = False
+            self.epoch = request[2]
+            if isinstance(self.dataset, IterDataPipe):
+                from torch.utils.data.graph_settings import apply_random_seed
+
+                self.shared_rng.manual_seed(request[1])
+                self.dataset = apply_random_seed(self.dataset, self.shared_rng)
+                _torch_worker._worker_info.__dict__["dataset"] = self.dataset
+            if self.init_exception is None:
+                self.fetcher = self._fetcher()
+            return OK, _batch_codec.encode(("resumed", self.worker_id), slot.reserve), ""
+        if self.iteration_end:
+            return END, 0, ""
+        index = request[1]
+        if self.init_exception is not None:
+            data, self.init_exception = self.init_exception, None
+        else:
+            try:
+                data = self.fetcher.fetch(index)
+            except StopIteration:
+                if self.spec["dataset_kind"] == _DatasetKind.Iterable:
+                    self.iteration_end = True
+                    return END, 0, ""
+                data = ExceptionWrapper(where="in DataLoader worker process {}".format(
+                    self.worker_id))
+            except Exception:
+                data = ExceptionWrapper(where="in DataLoader worker process {}".format(
+                    self.worker_id))
+        kind = ERROR if isinstance(data, ExceptionWrapper) else OK
+        found = self.pending_cuda
+        self.pending_cuda = None
+        if found is None:
+            stage = ("__iter__" if self.spec["dataset_kind"] == _DatasetKind.Iterable
+                     else f"__getitem__ or collate_fn of the batch of indices {_short(index)}")
+            found = self._cuda_after(stage)
+        n = _batch_codec.encode(data, slot.reserve)
+        if found is not None:
+            return CUDA, n, found
+        return kind, n, ""
+
+    def close(self):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed or replaced stream: nothing to flush
+                pass
+
+
+def _short(index):
+    text = repr(index)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def make(spec):
+    """The body factory of a forked worker: the spec is this process's own objects."""
+    return lambda worker_id: Worker(spec, worker_id)
+
+
+def server_main(fd):
+    """In a child of the Python fork server: the setup is the cloudpickled spec."""
+    from . import _native
+
+    def build(setup, worker_id):
+        spec = pickle.loads(setup)
+        os.chdir(spec["cwd"])
+        sys.path[:] = spec["sys_path"]
+        return Worker(spec, worker_id)
+
+    return _native._serve_jobs_after_setup(fd, build)

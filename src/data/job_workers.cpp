@@ -1,0 +1,716 @@
+#include "data/job_workers.hpp"
+
+#include <fmt/format.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <variant>
+
+#include "data/slot.hpp"
+#include "detail/fd.hpp"
+#include "detail/seqpacket.hpp"
+#include "forkguard/data/error.hpp"
+#include "forkguard/error.hpp"
+#include "launch/child.hpp"
+#include "launch/fork_server.hpp"
+
+namespace forkguard::data::detail {
+namespace {
+
+using forkguard::detail::at_least;
+using forkguard::detail::Bounds;
+using forkguard::detail::kMaxFds;
+using forkguard::detail::recv_message;
+using forkguard::detail::send_message;
+using forkguard::detail::UniqueFd;
+using Clock = std::chrono::steady_clock;
+
+constexpr auto kExitGrace = std::chrono::seconds(2);
+
+// ------------------------------------------------------------------ the messages
+struct SetupMsg {
+  static constexpr std::string_view kKind = "setup";
+  uint64_t bytes = 0;
+  int worker = 0;
+  template <class V, class M>
+  static void fields(V& v, M& m) {
+    v("bytes", m.bytes);
+    v("worker", m.worker, at_least(0));
+  }
+};
+struct SlotMsg {
+  static constexpr std::string_view kKind = "slot";
+  int slot = 0;
+  uint64_t bytes = 0;
+  template <class V, class M>
+  static void fields(V& v, M& m) {
+    v("slot", m.slot, at_least(0));
+    v("bytes", m.bytes, at_least<uint64_t>(1));
+  }
+};
+struct JobMsg {
+  static constexpr std::string_view kKind = "job";
+  uint64_t job = 0;
+  int slot = 0;
+  uint64_t bytes = 0;
+  template <class V, class M>
+  static void fields(V& v, M& m) {
+    v("job", m.job);
+    v("slot", m.slot, at_least(0));
+    v("bytes", m.bytes);
+  }
+};
+struct ReadyMsg {
+  static constexpr std::string_view kKind = "ready";
+  template <class V, class M>
+  static void fields(V&, M&) {}
+};
+struct FailedMsg {
+  static constexpr std::string_view kKind = "failed";
+  std::string message{};
+  template <class V, class M>
+  static void fields(V& v, M& m) {
+    v("message", m.message);
+  }
+};
+struct ResultMsg {
+  static constexpr std::string_view kKind = "result";
+  uint64_t job = 0;
+  int slot = 0;
+  JobKind kind = JobKind::kOk;
+  uint64_t bytes = 0;
+  uint64_t slot_bytes = 0;
+  std::string message{};
+  template <class V, class M>
+  static void fields(V& v, M& m) {
+    v("job", m.job);
+    v("slot", m.slot, at_least(0));
+    v("kind", m.kind, Bounds<JobKind>{JobKind::kOk, JobKind::kCuda});
+    v("bytes", m.bytes);
+    v("slot_bytes", m.slot_bytes);
+    v("message", m.message);
+  }
+};
+using Request = std::variant<SetupMsg, SlotMsg, JobMsg>;
+using Reply = std::variant<ReadyMsg, FailedMsg, ResultMsg>;
+
+[[noreturn]] void raise(const std::string& message) {
+  throw DataError(message);
+}
+template <class M>
+bool send(int sock, const M& m, int fd = -1) {
+  return send_message(sock, forkguard::detail::encode_message(m), fd >= 0 ? &fd : nullptr,
+                      fd >= 0 ? 1 : 0);
+}
+
+// ------------------------------------------------------------------ the worker's side
+class WorkerSlot : public JobSlot {
+ public:
+  explicit WorkerSlot(Mapping m) : m_(std::move(m)) {}
+  std::byte* data() override { return m_.data(); }
+  size_t size() const override { return m_.size(); }
+  void reserve(size_t bytes) override {
+    if (bytes <= m_.size()) return;
+    // Doubling: a batch that grows a little each time does not remap each time.
+    m_.resize(std::max(bytes, m_.size() * 2), true);
+  }
+
+ private:
+  Mapping m_;
+};
+
+}  // namespace
+
+int serve_jobs(int sock, JobBody& body) {
+  std::map<int, WorkerSlot> slots;
+  while (true) {
+    std::vector<std::string> f;
+    int fds[kMaxFds];
+    if (!recv_message(sock, f, fds)) return 0;  // EOF: the loader is done with us
+    Request request;
+    try {
+      request = forkguard::detail::decode_one_of<Request>(f, "job worker request", &raise);
+    } catch (const DataError& e) {
+      std::fprintf(stderr, "forkguard: worker %d: %s\n", static_cast<int>(::getpid()), e.what());
+      return 4;
+    }
+    if (const auto* s = std::get_if<SlotMsg>(&request); s && fds[0] >= 0) {
+      slots.insert_or_assign(s->slot, WorkerSlot(Mapping(fds[0], s->bytes)));
+      continue;
+    }
+    for (int fd : fds) {
+      if (fd >= 0) ::close(fd);
+    }
+    const auto* job = std::get_if<JobMsg>(&request);
+    if (!job) continue;
+    ResultMsg reply{.job = job->job, .slot = job->slot};
+    auto it = slots.find(job->slot);
+    if (it == slots.end() || job->bytes > it->second.size()) {
+      std::fprintf(stderr, "forkguard: worker %d: job %llu names slot %d, which it does not have\n",
+                   static_cast<int>(::getpid()), static_cast<unsigned long long>(job->job),
+                   job->slot);
+      return 4;
+    }
+    auto r = body.run(job->job, it->second, job->bytes);
+    reply.kind = r.kind;
+    reply.bytes = r.bytes;
+    reply.slot_bytes = it->second.size();
+    reply.message = std::move(r.message);
+    if (!send(sock, reply)) return errno == EPIPE || errno == ECONNRESET ? 0 : 4;
+  }
+}
+
+int serve_jobs_after_setup(
+    int sock,
+    const std::function<std::unique_ptr<JobBody>(std::string_view setup, int worker)>& make) {
+  std::vector<std::string> f;
+  int fds[kMaxFds];
+  if (!recv_message(sock, f, fds)) return 2;
+  UniqueFd memfd(fds[0]);
+  for (int k = 1; k < kMaxFds; ++k) {
+    if (fds[k] >= 0) ::close(fds[k]);
+  }
+  std::unique_ptr<JobBody> body;
+  try {
+    auto setup = forkguard::detail::decode_message<SetupMsg>(f, "job worker request", &raise);
+    if (!memfd) throw DataError("the setup came without its memfd");
+    std::string bytes(setup.bytes, '\0');
+    for (size_t done = 0; done < bytes.size();) {
+      ssize_t n = ::pread(memfd.get(), bytes.data() + done, bytes.size() - done,
+                          static_cast<off_t>(done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) throw SystemError("reading the worker's setup", n < 0 ? errno : EIO);
+      done += static_cast<size_t>(n);
+    }
+    memfd.reset();
+    ::prctl(PR_SET_NAME, fmt::format("fg-worker-{}", setup.worker).c_str());
+    body = make(bytes, setup.worker);
+  } catch (const std::exception& e) {
+    send(sock, FailedMsg{e.what()});
+    return 3;
+  }
+  send(sock, ReadyMsg{});
+  return serve_jobs(sock, *body);
+}
+
+// ------------------------------------------------------------------ the loader's side
+class JobQueue::Impl : public JobSlot {
+ public:
+  explicit Impl(JobOptions o) : o_(std::move(o)) {
+    if (o_.workers < 1) throw DataError(fmt::format("{} workers", o_.workers));
+    if (o_.prefetch < 1) throw DataError("prefetch must be at least 1");
+    procs_.resize(static_cast<size_t>(o_.workers));
+    UniqueFd setup;
+    if (o_.start == JobStart::kServer) {
+      setup.reset(::memfd_create("forkguard-worker-setup", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+      if (!setup) throw SystemError("memfd_create", errno);
+      for (size_t done = 0; done < o_.setup.size();) {
+        ssize_t n = ::write(setup.get(), o_.setup.data() + done, o_.setup.size() - done);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) throw SystemError("writing the workers' setup", errno);
+        done += static_cast<size_t>(n);
+      }
+      ::fcntl(setup.get(), F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL);
+    }
+    try {
+      for (int w = 0; w < o_.workers; ++w) start(w, setup.get());
+    } catch (...) {
+      stop(true);
+      throw;
+    }
+  }
+
+  ~Impl() override { stop(false); }
+
+  // JobSlot over the slot next_slot() handed out (the loader writes a job's input through it).
+  std::byte* data() override { return slots_[static_cast<size_t>(current_)]->memory.data(); }
+  size_t size() const override { return slots_[static_cast<size_t>(current_)]->memory.size(); }
+  void reserve(size_t bytes) override {
+    auto& m = slots_[static_cast<size_t>(current_)]->memory;
+    if (bytes > m.size()) m.resize(std::max(bytes, m.size() * 2), true);
+  }
+
+  void await_started() {
+    const auto deadline = o_.start_timeout.count() > 0
+                              ? std::optional(Clock::now() + o_.start_timeout)
+                              : std::nullopt;
+    std::string failures;
+    for (size_t w = 0; w < procs_.size(); ++w) {
+      auto why = await_ready(procs_[w], deadline);
+      if (!why.empty()) {
+        failures += fmt::format("{}worker {} (PID {}): {}", failures.empty() ? "" : "; ", w,
+                                procs_[w].pid, why);
+      }
+    }
+    if (!failures.empty()) {
+      stop(true);
+      throw WorkerError(fmt::format("workers could not start: {}", failures), -1, -1, {});
+    }
+  }
+
+  bool wants_job() const {
+    size_t active = 0;
+    for (const auto& p : procs_) active += p.active && p.alive ? 1 : 0;
+    return active > 0 && jobs_.size() < o_.prefetch * active;
+  }
+
+  JobQueue::Next next_slot(int worker) {
+    if (worker < 0) {
+      for (size_t k = 0; k < procs_.size(); ++k) {
+        size_t w = (rr_ + k) % procs_.size();
+        if (procs_[w].active && procs_[w].alive) {
+          worker = static_cast<int>(w);
+          rr_ = w + 1;
+          break;
+        }
+      }
+      if (worker < 0) throw DataError("no active worker to give a job to");
+    }
+    int id = acquire(worker);
+    current_ = id;
+    return {worker, id, this};
+  }
+
+  uint64_t submit(const JobQueue::Next& next, size_t input_bytes) {
+    auto& p = procs_[static_cast<size_t>(next.worker)];
+    auto& s = *slots_[static_cast<size_t>(next.slot)];
+    const uint64_t job = next_job_++;
+    jobs_[job] = Job{.worker = next.worker, .slot = next.slot};
+    if (!p.alive) return job;  // its death is reported by next()
+    if (s.sent_bytes != s.memory.size()) {  // new, or grown here: the worker maps it (again)
+      int fd = ::dup(s.memory.fd());
+      if (fd < 0 || !send(p.sock.get(), SlotMsg{.slot = next.slot, .bytes = s.memory.size()}, fd)) {
+        const int e = errno;
+        if (fd >= 0) ::close(fd);
+        if (e != EPIPE && e != ECONNRESET) {
+          throw WorkerError(fmt::format("cannot send worker {} (PID {}) a slot: {}", next.worker,
+                                        p.pid, std::strerror(e)),
+                            next.worker, p.pid, {});
+        }
+        return job;
+      }
+      ::close(fd);
+      s.sent_bytes = s.memory.size();
+    }
+    if (!send(p.sock.get(), JobMsg{.job = job, .slot = next.slot, .bytes = input_bytes}) &&
+        errno != EPIPE && errno != ECONNRESET) {
+      throw WorkerError(fmt::format("cannot send job {} to worker {} (PID {}): {}", job,
+                                    next.worker, p.pid, std::strerror(errno)),
+                        next.worker, p.pid, {});
+    }
+    return job;
+  }
+
+  std::optional<JobResult> next(std::optional<std::chrono::milliseconds> timeout) {
+    const auto deadline = timeout ? std::optional(Clock::now() + *timeout) : std::nullopt;
+    while (true) {
+      // Jobs of workers that ended their pass are skipped (torch's DataLoader does the same);
+      // their slots stay the worker's until it answers them.
+      while (!jobs_.empty()) {
+        auto it = jobs_.begin();
+        if (it->second.done || procs_[static_cast<size_t>(it->second.worker)].active) break;
+        skipped_[it->first] = it->second;
+        jobs_.erase(it);
+      }
+      if (jobs_.empty()) return std::nullopt;
+      auto& [job, j] = *jobs_.begin();
+      if (j.done) {
+        JobResult r = std::move(j.result);
+        jobs_.erase(jobs_.begin());
+        return r;
+      }
+      auto polled = poll_one(deadline);
+      if (polled.timeout) {
+        return JobResult{.kind = JobResult::Kind::kTimeout,
+                         .job = job,
+                         .worker = j.worker,
+                         .pid = procs_[static_cast<size_t>(j.worker)].pid};
+      }
+      if (polled.died) return polled.died;
+    }
+  }
+
+  void release(int slot) {
+    std::lock_guard lock(release_mutex_);
+    released_.push_back(slot);
+  }
+
+  const std::byte* slot_data(int slot) const {
+    return slots_[static_cast<size_t>(slot)]->memory.data();
+  }
+
+  void reactivate() {
+    for (auto& p : procs_) p.active = p.alive;
+    rr_ = 0;  // a new pass starts at worker 0, as torch's does
+  }
+  bool active(int w) const { return procs_[static_cast<size_t>(w)].active; }
+  int workers() const { return static_cast<int>(procs_.size()); }
+
+  void stop(bool now) {
+    for (auto& p : procs_) {
+      p.active = false;
+      if (!p.alive) continue;
+      p.sock.reset();  // EOF: the worker ends its job and exits
+      if (now) kill(p);
+    }
+    for (auto& p : procs_) {
+      if (!p.alive) continue;
+      p.alive = false;
+      if (!collect(p, kExitGrace)) {
+        kill(p);
+        collect(p, std::chrono::seconds(30));
+      }
+    }
+  }
+
+  std::vector<pid_t> pids() const {
+    std::vector<pid_t> out;
+    for (const auto& p : procs_) {
+      if (p.pid > 0 && !p.status) out.push_back(p.pid);
+    }
+    return out;
+  }
+  pid_t pid(int w) const { return procs_[static_cast<size_t>(w)].pid; }
+
+  std::optional<launch::ExitStatus> exit_status(int w, std::chrono::milliseconds timeout) {
+    auto& p = procs_[static_cast<size_t>(w)];
+    collect(p, timeout);
+    return p.status;
+  }
+
+ private:
+  struct Proc {
+    pid_t pid = -1;
+    UniqueFd sock;
+    launch::detail::Child child;  // kFork
+    bool alive = false;           // started, not known to have ended
+    bool active = true;           // takes jobs (not after kEnd)
+    std::optional<launch::ExitStatus> status;  // once collected
+    std::vector<int> free;  // its slots not in use
+  };
+  struct SlotState {
+    int worker = 0;
+    Mapping memory;
+    size_t sent_bytes = 0;  // the size the worker maps (0: not sent)
+  };
+  struct Job {
+    int worker = 0;
+    int slot = 0;
+    bool done = false;
+    JobResult result{};
+  };
+
+  void start(int w, int setup_fd) {
+    int sv[2];
+    if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) {
+      throw SystemError("socketpair for a worker", errno);
+    }
+    UniqueFd mine(sv[0]);
+    UniqueFd theirs(sv[1]);
+    auto& p = procs_[static_cast<size_t>(w)];
+    if (o_.start == JobStart::kServer) {
+      p.pid = o_.server->start_call(o_.server_function, theirs.get());
+      theirs.reset();
+      if (!send(mine.get(), SetupMsg{.bytes = o_.setup.size(), .worker = w}, setup_fd)) {
+        const int e = errno;
+        p.sock = std::move(mine);
+        p.alive = true;
+        throw WorkerError(fmt::format("cannot send worker {} its setup: {}", w, std::strerror(e)),
+                          w, p.pid, {});
+      }
+    } else {
+      // Prepared before the fork: the loader's ends of the other workers' sockets, which this
+      // worker must not hold (they would never see EOF), and its name.
+      std::vector<int> close_in_child{mine.get()};
+      for (const auto& q : procs_) {
+        if (q.sock) close_in_child.push_back(q.sock.get());
+      }
+      const std::string name = fmt::format("{}-{}", o_.name, w);
+      const int sock = theirs.get();
+      auto* body = &o_.body;
+      auto* after_child = o_.after_fork_child;
+      if (o_.before_fork) o_.before_fork();
+      try {
+        p.child = launch::detail::start_child(
+            {.main =
+                 [body, after_child, sock, w] {
+                   // A copy of this process: it may allocate (it runs the caller's code next).
+                   if (after_child) after_child();
+                   std::unique_ptr<JobBody> b;
+                   try {
+                     b = (*body)(w);
+                   } catch (const std::exception& e) {
+                     send(sock, FailedMsg{e.what()});
+                     return 3;
+                   }
+                   send(sock, ReadyMsg{});
+                   return serve_jobs(sock, *b);
+                 },
+             .close_other_fds = false,
+             .close_fds = close_in_child,
+             .name = name.c_str(),
+             .stop = {.signal = 0},
+             .what = fmt::format("worker {}", w)});
+      } catch (...) {
+        if (o_.after_fork_parent) o_.after_fork_parent();
+        throw;
+      }
+      if (o_.after_fork_parent) o_.after_fork_parent();
+      p.pid = p.child.pid();
+      theirs.reset();
+    }
+    p.sock = std::move(mine);
+    p.alive = true;
+  }
+
+  std::string await_ready(Proc& p, std::optional<Clock::time_point> deadline) {
+    if (!p.alive) return "it was stopped";
+    pollfd q{p.sock.get(), POLLIN, 0};
+    int r;
+    do {
+      int ms = -1;
+      if (deadline) {
+        ms = static_cast<int>(std::max<long>(
+            0, std::chrono::ceil<std::chrono::milliseconds>(*deadline - Clock::now()).count()));
+      }
+      r = ::poll(&q, 1, ms);
+    } while (r < 0 && errno == EINTR);
+    if (r == 0) {
+      return fmt::format("it did not say ready within {} ms", o_.start_timeout.count());
+    }
+    std::vector<std::string> f;
+    int fds[kMaxFds];
+    if (!recv_message(p.sock.get(), f, fds)) {
+      p.alive = false;
+      collect(p, kExitGrace);
+      return p.status ? p.status->to_string() : "it closed its socket";
+    }
+    for (int fd : fds) {
+      if (fd >= 0) ::close(fd);
+    }
+    try {
+      auto reply = forkguard::detail::decode_one_of<Reply>(f, "job worker reply", &raise);
+      if (std::holds_alternative<ReadyMsg>(reply)) return {};
+      if (const auto* failed = std::get_if<FailedMsg>(&reply)) return failed->message;
+      return "it answered before it was ready";
+    } catch (const DataError& e) {
+      return e.what();
+    }
+  }
+
+  int acquire(int worker) {
+    {
+      std::lock_guard lock(release_mutex_);
+      for (int id : released_) give_back(id);
+      released_.clear();
+    }
+    auto& p = procs_[static_cast<size_t>(worker)];
+    if (!p.free.empty()) {
+      int id = p.free.back();
+      p.free.pop_back();
+      return id;
+    }
+    auto s = std::make_unique<SlotState>();
+    s->worker = worker;
+    s->memory = create_shared(o_.slot_bytes, "forkguard-batch");
+    slots_.push_back(std::move(s));
+    return static_cast<int>(slots_.size()) - 1;
+  }
+  void give_back(int id) {
+    procs_[static_cast<size_t>(slots_[static_cast<size_t>(id)]->worker)].free.push_back(id);
+  }
+
+  // Reads one message, or notices one death, or the deadline passing first.
+  struct Polled {
+    bool timeout = false;
+    std::optional<JobResult> died{};
+  };
+  Polled poll_one(std::optional<Clock::time_point> deadline) {
+    while (true) {
+      std::vector<pollfd> fds;
+      std::vector<int> who;
+      for (size_t w = 0; w < procs_.size(); ++w) {
+        if (procs_[w].alive) {
+          fds.push_back({procs_[w].sock.get(), POLLIN, 0});
+          who.push_back(static_cast<int>(w));
+        }
+      }
+      int ms = -1;
+      if (deadline) {
+        ms = static_cast<int>(std::max<long>(
+            0, std::chrono::ceil<std::chrono::milliseconds>(*deadline - Clock::now()).count()));
+      }
+      int r = ::poll(fds.data(), fds.size(), ms);
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) throw SystemError("poll on the workers", errno);
+      if (r == 0) return {.timeout = true};
+      for (size_t k = 0; k < fds.size(); ++k) {
+        if (fds[k].revents == 0) continue;
+        const int w = who[k];
+        auto& p = procs_[static_cast<size_t>(w)];
+        std::vector<std::string> f;
+        int got[kMaxFds];
+        if (!recv_message(p.sock.get(), f, got, MSG_DONTWAIT)) {
+          if (errno == EAGAIN) continue;
+          return {.died = died(w)};
+        }
+        for (int fd : got) {
+          if (fd >= 0) ::close(fd);
+        }
+        auto reply = forkguard::detail::decode_one_of<Reply>(f, "job worker reply", &raise);
+        const auto* res = std::get_if<ResultMsg>(&reply);
+        if (res) {
+          if (auto sk = skipped_.find(res->job);
+              sk != skipped_.end() && sk->second.worker == w && sk->second.slot == res->slot) {
+            give_back(res->slot);  // a job skipped at the end of its worker's pass
+            skipped_.erase(sk);
+            continue;
+          }
+        }
+        auto it = res ? jobs_.find(res->job) : jobs_.end();
+        if (it == jobs_.end() || it->second.worker != w || it->second.slot != res->slot) {
+          throw DataError(fmt::format("worker {} (PID {}) answered a job it was not given", w,
+                                      p.pid));
+        }
+        auto& s = *slots_[static_cast<size_t>(res->slot)];
+        if (res->bytes > res->slot_bytes) {
+          throw DataError(fmt::format("worker {} (PID {}): a {}-byte result in a {}-byte slot", w,
+                                      p.pid, res->bytes, res->slot_bytes));
+        }
+        if (res->slot_bytes > s.memory.size()) s.memory.resize(res->slot_bytes, false);
+        s.sent_bytes = s.memory.size();
+        if (res->kind == JobKind::kEnd) {
+          p.active = false;  // next() skips the jobs it had after this one
+          give_back(res->slot);
+          jobs_.erase(it);
+          return {};
+        }
+        it->second.done = true;
+        it->second.result = JobResult{.kind = JobResult::Kind::kResult,
+                                      .job = res->job,
+                                      .worker = w,
+                                      .pid = p.pid,
+                                      .job_kind = res->kind,
+                                      .slot = res->slot,
+                                      .bytes = res->bytes,
+                                      .message = res->message};
+        return {};
+      }
+    }
+  }
+
+  JobResult died(int w) {
+    auto& p = procs_[static_cast<size_t>(w)];
+    p.alive = false;
+    p.active = false;
+    p.sock.reset();
+    if (!collect(p, kExitGrace)) {  // it closed its socket yet lives on: make sure it is gone
+      kill(p);
+      collect(p, std::chrono::seconds(30));
+    }
+    JobResult r{.kind = JobResult::Kind::kDied, .worker = w, .pid = p.pid};
+    if (p.status) r.status = *p.status;
+    for (const auto& [job, j] : jobs_) {
+      if (j.worker == w) r.held.push_back(job);
+    }
+    return r;
+  }
+
+  void kill(Proc& p) {
+    if (p.child) {
+      p.child.signal(SIGKILL);
+    } else if (!p.status && p.pid > 0 && o_.server) {
+      ::kill(p.pid, SIGKILL);  // the server's child, not reaped before the server reports it
+    }
+  }
+
+  bool collect(Proc& p, std::chrono::milliseconds timeout) {
+    if (p.status || p.pid <= 0) return true;
+    if (o_.start == JobStart::kServer) {
+      if (auto status = o_.server->wait_exit(p.pid, timeout)) {
+        p.status = launch::ExitStatus::from_wait_status(*status);
+      }
+      return p.status.has_value();
+    }
+    pollfd q{p.child.pidfd(), POLLIN, 0};
+    int r;
+    do {
+      r = ::poll(&q, 1, static_cast<int>(timeout.count()));
+    } while (r < 0 && errno == EINTR);
+    if (r == 0) return false;
+    p.status = p.child.wait();
+    return true;
+  }
+
+  JobOptions o_;
+  std::vector<Proc> procs_;
+  std::vector<std::unique_ptr<SlotState>> slots_;
+  std::map<uint64_t, Job> jobs_;     // submitted, not yet delivered, in job order
+  std::map<uint64_t, Job> skipped_;  // skipped, not yet answered
+  uint64_t next_job_ = 0;
+  size_t rr_ = 0;
+  int current_ = 0;
+  std::mutex release_mutex_;
+  std::vector<int> released_;  // slots given back by any thread, not yet returned to a worker
+};
+
+JobQueue::JobQueue(JobOptions options) : impl_(std::make_shared<Impl>(std::move(options))) {}
+JobQueue::~JobQueue() = default;
+void JobQueue::await_started() {
+  impl_->await_started();
+}
+bool JobQueue::wants_job() const {
+  return impl_->wants_job();
+}
+JobQueue::Next JobQueue::next_slot(int worker) {
+  return impl_->next_slot(worker);
+}
+uint64_t JobQueue::submit(const Next& next, size_t input_bytes) {
+  return impl_->submit(next, input_bytes);
+}
+std::optional<JobResult> JobQueue::next(std::optional<std::chrono::milliseconds> timeout) {
+  return impl_->next(timeout);
+}
+void JobQueue::release(int slot) {
+  impl_->release(slot);
+}
+const std::byte* JobQueue::slot_data(int slot) const {
+  return impl_->slot_data(slot);
+}
+void JobQueue::reactivate() {
+  impl_->reactivate();
+}
+bool JobQueue::active(int worker) const {
+  return impl_->active(worker);
+}
+int JobQueue::workers() const {
+  return impl_->workers();
+}
+void JobQueue::stop(bool now) {
+  impl_->stop(now);
+}
+std::vector<pid_t> JobQueue::pids() const {
+  return impl_->pids();
+}
+pid_t JobQueue::pid(int worker) const {
+  return impl_->pid(worker);
+}
+std::optional<launch::ExitStatus> JobQueue::exit_status(int worker,
+                                                        std::chrono::milliseconds timeout) {
+  return impl_->exit_status(worker, timeout);
+}
+
+}  // namespace forkguard::data::detail
