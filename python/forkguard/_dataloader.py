@@ -18,6 +18,7 @@ import pickle
 import signal
 import sys
 import warnings
+import weakref
 from typing import TypeVar
 
 import torch
@@ -55,6 +56,10 @@ class DataLoader(_TorchDataLoader[T_co]):
         index): the same batches for any num_workers and worker_start.
     bad_sample: "error" re-raises a sample's exception (torch's behaviour); "skip" replaces the
         sample by another, chosen deterministically, counted and said once per index.
+
+    Also: state_dict() / load_state_dict() (torchdata's StatefulDataLoader names) resume mid-epoch;
+    set_epoch(e) numbers the next pass (for seed); `stats` has, per pass, the batches, the samples
+    skipped, and the Pss of this process and of the workers.
     """
 
     def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
@@ -74,7 +79,10 @@ class DataLoader(_TorchDataLoader[T_co]):
         self.cuda_in_workers = cuda_in_workers
         self.seed = seed
         self.bad_sample = bad_sample
-        self.epoch = 0
+        self._next_epoch = 0  # the number of the next pass
+        self._resume = None  # a state to resume from, at the next pass's start
+        self._live = None  # weak reference to the iterator of the current pass
+        self.stats = {"epochs": []}
         super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers,
                          collate_fn, pin_memory, drop_last, timeout, worker_init_fn,
                          multiprocessing_context, generator, prefetch_factor=prefetch_factor,
@@ -83,9 +91,129 @@ class DataLoader(_TorchDataLoader[T_co]):
 
     def _get_iterator(self):
         if self.num_workers == 0:
-            return _torch_dl._SingleProcessDataLoaderIter(self)
+            return _SingleIter(self)
         self.check_worker_number_rationality()
         return _Iter(self)
+
+    def set_epoch(self, epoch):
+        """The number of the next pass (with `seed`, each sample's random state depends on it)."""
+        self._next_epoch = int(epoch)
+
+    def state_dict(self):
+        """Where this loader is: after the batches the current pass has yielded so far (or at the
+        next pass's start). A loader given it by load_state_dict() yields what this one would."""
+        it = self._live() if self._live is not None else None
+        if it is None or it._fg_done:
+            return {"epoch": self._next_epoch, "yielded": 0, "rng": _rng_state(self),
+                    "base_seed": None}
+        return {"epoch": it._fg_epoch, "yielded": it._num_yielded, "rng": it._fg_rng,
+                "base_seed": it._base_seed}
+
+    def load_state_dict(self, state):
+        """The next pass resumes where `state` (from state_dict()) was taken."""
+        for key in ("epoch", "yielded", "rng", "base_seed"):
+            if key not in state:
+                raise ValueError(f"load_state_dict: the state has no {key!r} (keys: "
+                                 f"{sorted(state)}): not a forkguard.DataLoader state")
+        self._resume = dict(state)
+        self._next_epoch = state["epoch"]
+        if self._iterator is not None:  # persistent workers: the next pass restarts its iterator
+            self._iterator._shutdown_workers()
+            self._iterator = None
+
+
+def _rng_state(loader):
+    return loader.generator.get_state() if loader.generator is not None else torch.get_rng_state()
+
+
+def _set_rng_state(loader, state):
+    if loader.generator is not None:
+        loader.generator.set_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+class _Pass:
+    """What forkguard adds to both iterators: the pass's number and where it resumes."""
+
+    def _begin_pass(self, loader):
+        """At the start of a pass, before any index is drawn: restores a state to resume from,
+        or records this one."""
+        state, loader._resume = loader._resume, None
+        if state is not None:
+            _set_rng_state(loader, state["rng"])
+            self._fg_epoch = state["epoch"]
+        else:
+            self._fg_epoch = loader._next_epoch
+        loader._next_epoch = self._fg_epoch + 1
+        self._fg_rng = _rng_state(loader)
+        self._fg_done = False
+        self._fg_batches = 0
+        self._fg_skipped = 0
+        self._fg_discard = 0
+        loader._live = weakref.ref(self)
+        if state is not None and state["yielded"]:
+            if self._dataset_kind == _torch_dl._DatasetKind.Map:
+                for _ in range(state["yielded"]):  # the sampler's indices of what was yielded
+                    try:
+                        next(self._sampler_iter)
+                    except StopIteration:
+                        break
+            else:  # an iterable is replayed: its batches up to there are made and dropped
+                self._fg_discard = state["yielded"]
+            self._num_yielded = state["yielded"]
+
+    def _end_pass(self, loader_stats, pids):
+        if self._fg_done:
+            return
+        self._fg_done = True
+        loader_stats["epochs"].append({
+            "epoch": self._fg_epoch, "batches": self._fg_batches, "skipped": self._fg_skipped,
+            "main_pss": _pss(os.getpid()), "workers_pss": sum(_pss(p) for p in pids)})
+
+
+def _pss(pid):
+    """The proportional set size of a process, in bytes (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class _SingleIter(_Pass, _torch_dl._SingleProcessDataLoaderIter):
+    """torch's single-process iterator, with seed, bad_sample and resumption."""
+
+    def __init__(self, loader):
+        super().__init__(loader)
+        self._fg_stats = loader.stats
+        self._begin_pass(loader)
+        spec = {"dataset_kind": self._dataset_kind, "seed": loader.seed,
+                "bad_sample": loader.bad_sample, "auto_collation": self._auto_collation,
+                "collate_fn": self._collate_fn, "drop_last": self._drop_last}
+        if spec["seed"] is not None or spec["bad_sample"] == "skip":
+            self._dataset_fetcher, self._fg_guard = _dataloader_worker.fetcher(
+                spec, self._dataset, self._fg_epoch)
+        else:
+            self._fg_guard = None
+
+    def _next_data(self):
+        try:
+            while self._fg_discard:
+                self._fg_discard -= 1
+                super()._next_data()
+            data = super()._next_data()
+        except StopIteration:
+            self._end_pass(self._fg_stats, [])
+            raise
+        self._fg_batches += 1
+        if self._fg_guard is not None and self._fg_guard.skipped:
+            self._fg_skipped += len(self._fg_guard.skipped)
+            self._fg_guard.skipped = []
+        return data
 
 
 def _start_method(loader):
@@ -152,8 +280,12 @@ def _unpicklable_path(obj, path, seen):
     for child_path, child in children:
         try:
             cloudpickle.dumps(child)
-        except Exception:  # noqa: BLE001 - this one fails: look deeper
-            return _unpicklable_path(child, child_path, seen) or child_path
+        except Exception:  # noqa: BLE001 - this one fails: look deeper, but not into a library
+            name = f"{child_path} ({type(child).__module__}.{type(child).__qualname__})"
+            if type(child).__module__.split(".")[0] in ("multiprocessing", "torch", "socket",
+                                                         "sqlite3", "threading", "_io", "io"):
+                return name
+            return _unpicklable_path(child, child_path, seen) or name
     return ""
 
 
@@ -194,12 +326,15 @@ class _WorkerProcess:
                 pass
 
 
-class _Iter(_torch_dl._BaseDataLoaderIter):
+class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
     def __init__(self, loader):
         super().__init__(loader)
         assert self._num_workers > 0 and self._prefetch_factor > 0
         self._shutdown = True  # until the workers started
-        self._loader_epoch = loader.epoch
+        self._fg_stats = loader.stats
+        if loader._resume is not None and loader._resume["base_seed"] is not None:
+            self._base_seed = loader._resume["base_seed"]  # the workers' seeds, as they were
+        epoch = loader._resume["epoch"] if loader._resume is not None else loader._next_epoch
         self._cuda_policy = loader.cuda_in_workers
         self._cuda_said = False
         worker_init_fn = loader.worker_init_fn
@@ -214,7 +349,7 @@ class _Iter(_torch_dl._BaseDataLoaderIter):
             "auto_collation": self._auto_collation, "collate_fn": self._collate_fn,
             "drop_last": self._drop_last, "base_seed": self._base_seed,
             "worker_init_fn": worker_init_fn, "num_workers": self._num_workers,
-            "shared_seed": self._shared_seed, "seed": loader.seed, "epoch": loader.epoch,
+            "shared_seed": self._shared_seed, "seed": loader.seed, "epoch": epoch,
             "cuda_in_workers": loader.cuda_in_workers, "bad_sample": loader.bad_sample,
         }
         if start == "fork":
@@ -247,12 +382,13 @@ class _Iter(_torch_dl._BaseDataLoaderIter):
     def _reset(self, loader, first_iter=False):
         super()._reset(loader, first_iter)
         self._task_info = {}  # job -> the sampler's index (or indices) it fetches
+        self._begin_pass(loader)
         if not first_iter:
             while self._queue.next(None) is not None:  # what the last pass left in flight
                 pass
             self._queue.reactivate()
             resumed = set()
-            request = pickle.dumps(("resume", self._shared_seed, loader.epoch))
+            request = pickle.dumps(("resume", self._shared_seed, self._fg_epoch))
             for w in range(self._num_workers):
                 resumed.add(self._queue.submit(request, w)[0])
             while resumed:
@@ -292,20 +428,31 @@ class _Iter(_torch_dl._BaseDataLoaderIter):
             raise RuntimeError(text)
 
     def _next_data(self):
+        while self._fg_discard:
+            self._fg_discard -= 1
+            self._next_batch()
+        data = self._next_batch()
+        self._fg_batches += 1
+        return data
+
+    def _next_batch(self):
         while True:
             if self._shutdown:
                 raise StopIteration
             self._fill()
             r = self._queue.next(self._timeout if self._timeout > 0 else None)
             if r is None:
+                self._end_pass(self._fg_stats, self._queue.pids())
                 if not self._persistent_workers:
                     self._shutdown_workers()
                 raise StopIteration
             self._check(r)
             _, job, worker, pid, kind, buf, message = r
             self._task_info.pop(job, None)
-            data = _batch_codec.decode(buf, memoryview(buf))
+            data, meta = _batch_codec.decode(buf, memoryview(buf))
             del buf
+            if meta is not None and "skipped" in meta:
+                self._fg_skipped += len(meta["skipped"])
             self._fill()
             if kind == _dataloader_worker.CUDA:
                 self._cuda_found(message.decode(errors="replace"))

@@ -10,6 +10,7 @@ numpy's and torch's generators seeded from the base seed and the worker id, get_
 worker_init_fn, the dataset's fetcher; with forkguard's `seed`, every sample is instead seeded
 from (seed, epoch, index), whatever worker makes it.
 """
+import hashlib
 import os
 import pickle
 import random
@@ -27,13 +28,19 @@ from . import _batch_codec
 OK, ERROR, END, CUDA = 0, 1, 2, 3
 
 
+MAX_SUBSTITUTES = 16
+
+
 def sample_seed(seed, epoch, index):
-    """The seed of one sample under DataLoader(seed=...): the same for any worker count."""
+    """The seed of one sample under DataLoader(seed=...): a function of (seed, epoch, index) only,
+    the same in every process (not hash(), which is salted per process for strings)."""
+    key = index if isinstance(index, int) else int.from_bytes(
+        hashlib.blake2b(repr(index).encode(), digest_size=8).digest(), "little")
     mask = (1 << 64) - 1
-    x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + (hash(index) & mask)) & mask
-    x ^= x >> 31
-    x = (x * 0x94D049BB133111EB) & mask
-    return x ^ (x >> 29)
+    x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + key) & mask
+    for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):  # splitmix64
+        x = ((x ^ (x >> shift)) * mult) & mask
+    return x ^ (x >> 31)
 
 
 def seed_everything(s):
@@ -46,18 +53,54 @@ def seed_everything(s):
     np.random.seed(s & 0xFFFFFFFF)
 
 
-class _SeededDataset:
-    """Map-style dataset wrapper: seeds the generators before each sample (DataLoader(seed=))."""
+class SampleGuard:
+    """A map-style dataset as DataLoader(seed=, bad_sample=) sees it: the generators seeded before
+    each sample from (seed, epoch, index); a sample that raises replaced (bad_sample="skip") by
+    another chosen from (seed, epoch, index, attempt), said once per index on stderr and recorded
+    in `skipped` (index, substitute, reason) for the loader's stats."""
 
-    def __init__(self, dataset, seed, epoch):
-        self.dataset, self.seed, self.epoch = dataset, seed, epoch
+    def __init__(self, dataset, seed, epoch, bad_sample):
+        self.dataset, self.seed, self.epoch, self.bad_sample = dataset, seed, epoch, bad_sample
+        self.skipped = []
+        self.said = set()
 
     def __getitem__(self, index):
-        seed_everything(sample_seed(self.seed, self.epoch, index))
-        return self.dataset[index]
+        chosen = index
+        for attempt in range(MAX_SUBSTITUTES + 1):
+            if self.seed is not None:
+                seed_everything(sample_seed(self.seed, self.epoch, chosen))
+            try:
+                return self.dataset[chosen]
+            except Exception as e:  # noqa: BLE001 - a bad sample, under the skip policy
+                if self.bad_sample != "skip":
+                    raise
+                reason = f"{type(e).__name__}: {e}"
+                substitute = sample_seed(self.seed or 0, self.epoch, (index, attempt + 1)) % \
+                    len(self.dataset)
+                self.skipped.append((index, substitute, reason))
+                if chosen not in self.said:
+                    self.said.add(chosen)
+                    print(f"forkguard.DataLoader: sample {chosen!r} failed ({reason}); "
+                          f"replaced by sample {substitute} (bad_sample='skip')",
+                          file=sys.stderr, flush=True)
+                chosen = substitute
+        raise RuntimeError(f"forkguard.DataLoader: sample {index!r} and {MAX_SUBSTITUTES} "
+                           f"substitutes for it all failed (bad_sample='skip'); the last: "
+                           f"{reason}")
 
     def __len__(self):
         return len(self.dataset)
+
+
+def fetcher(spec, dataset, epoch):
+    """torch's fetcher for the dataset (map-style ones through a SampleGuard when seed or
+    bad_sample asks for it); (fetcher, guard or None)."""
+    guard = None
+    if spec["dataset_kind"] == _DatasetKind.Map and (spec["seed"] is not None or
+                                                     spec["bad_sample"] == "skip"):
+        dataset = guard = SampleGuard(dataset, spec["seed"], epoch, spec["bad_sample"])
+    return _DatasetKind.create_fetcher(spec["dataset_kind"], dataset, spec["auto_collation"],
+                                       spec["collate_fn"], spec["drop_last"]), guard
 
 
 class Worker:
@@ -89,24 +132,20 @@ class Worker:
         _torch_worker._worker_info = _torch_worker.WorkerInfo(
             id=worker_id, num_workers=spec["num_workers"], seed=seed, dataset=dataset)
         self.init_exception = None
+        self.guard = None
         self.iteration_end = False
         self.epoch = spec["epoch"]
         try:
             if spec["worker_init_fn"] is not None:
                 spec["worker_init_fn"](worker_id)
-            self.fetcher = self._fetcher()
+            self._fetcher()
         except Exception:
             self.init_exception = ExceptionWrapper(
                 where="in DataLoader worker process {}".format(worker_id))
         self.pending_cuda = self._cuda_after("worker_init_fn")
 
     def _fetcher(self):
-        s = self.spec
-        dataset = self.dataset
-        if s["seed"] is not None and s["dataset_kind"] == _DatasetKind.Map:
-            dataset = _SeededDataset(dataset, s["seed"], self.epoch)
-        return _DatasetKind.create_fetcher(s["dataset_kind"], dataset, s["auto_collation"],
-                                           s["collate_fn"], s["drop_last"])
+        self.fetcher, self.guard = fetcher(self.spec, self.dataset, self.epoch)
 
     def _cuda_after(self, stage):
         """What CUDA state this worker has now, said about `stage`, or None."""
@@ -136,8 +175,8 @@ class Worker:
                 self.dataset = apply_random_seed(self.dataset, self.shared_rng)
                 _torch_worker._worker_info.__dict__["dataset"] = self.dataset
             if self.init_exception is None:
-                self.fetcher = self._fetcher()
-            return OK, _batch_codec.encode(("resumed", self.worker_id), slot.reserve), ""
+                self._fetcher()
+            return OK, _batch_codec.encode((None, None), slot.reserve), ""
         if self.iteration_end:
             return END, 0, ""
         index = request[1]
@@ -162,7 +201,11 @@ class Worker:
             stage = ("__iter__" if self.spec["dataset_kind"] == _DatasetKind.Iterable
                      else f"__getitem__ or collate_fn of the batch of indices {_short(index)}")
             found = self._cuda_after(stage)
-        n = _batch_codec.encode(data, slot.reserve)
+        meta = None
+        if self.guard is not None and self.guard.skipped:
+            meta = {"skipped": self.guard.skipped}
+            self.guard.skipped = []
+        n = _batch_codec.encode((data, meta), slot.reserve)
         if found is not None:
             return CUDA, n, found
         return kind, n, ""

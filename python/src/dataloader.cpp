@@ -179,8 +179,7 @@ struct Queue {
       }
       case fdd::JobResult::Kind::kTimeout:
         return py::make_tuple("timeout", r->job, r->worker, r->pid);
-      case fdd::JobResult::Kind::kDied:
-        break;
+      case fdd::JobResult::Kind::kDied: break;
     }
     const auto& s = r->status;
     const bool signaled = s.kind == forkguard::launch::ExitStatus::Kind::kSignaled;
@@ -228,13 +227,15 @@ void bind_dataloader(py::module_& m) {
             std::optional<forkguard::launch::ExitStatus> st;
             {
               py::gil_scoped_release nogil;
-              st = s.q->exit_status(w, std::chrono::milliseconds(static_cast<long long>(timeout * 1000)));
+              st = s.q->exit_status(
+                  w, std::chrono::milliseconds(static_cast<long long>(timeout * 1000)));
             }
             if (!st) return py::none();
             const bool sig = st->kind == forkguard::launch::ExitStatus::Kind::kSignaled;
-            return py::make_tuple(sig ? st->signal : 0,
-                                  st->kind == forkguard::launch::ExitStatus::Kind::kExited ? st->code : -1,
-                                  st->to_string());
+            return py::make_tuple(
+                sig ? st->signal : 0,
+                st->kind == forkguard::launch::ExitStatus::Kind::kExited ? st->code : -1,
+                st->to_string());
           },
           py::arg("worker"), py::arg("timeout") = 0.0)
       .def(
@@ -252,7 +253,8 @@ void bind_dataloader(py::module_& m) {
         return fdd::serve_jobs_after_setup(
             sock, [&make](std::string_view setup, int worker) -> std::unique_ptr<fdd::JobBody> {
               try {
-                return std::make_unique<PyBody>(make(py::bytes(setup.data(), setup.size()), worker));
+                return std::make_unique<PyBody>(
+                    make(py::bytes(setup.data(), setup.size()), worker));
               } catch (py::error_already_set& e) {
                 throw forkguard::data::DataError(e.what());
               }

@@ -1,7 +1,7 @@
 #include "data/job_workers.hpp"
 
-#include <fmt/format.h>
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
@@ -117,15 +117,30 @@ bool send(int sock, const M& m, int fd = -1) {
 }
 
 // ------------------------------------------------------------------ the worker's side
+// A slot too small for what is to be written is replaced by a larger memfd (its contents copied),
+// which travels to the other side with the next message; neither side keeps a slot's fd open once
+// the other has it (a loader whose user keeps 200 batches alive holds 200 mappings, not 200 fds).
+Mapping grown(const Mapping& old, size_t bytes) {
+  // Doubling: a batch that grows a little each time is not copied each time.
+  auto m = create_shared(std::max(bytes, old.size() * 2), "forkguard-batch");
+  std::memcpy(m.data(), old.data(), old.size());
+  return m;
+}
+
 class WorkerSlot : public JobSlot {
  public:
-  explicit WorkerSlot(Mapping m) : m_(std::move(m)) {}
+  explicit WorkerSlot(Mapping m) : m_(std::move(m)) { m_.close_fd(); }
   std::byte* data() override { return m_.data(); }
   size_t size() const override { return m_.size(); }
   void reserve(size_t bytes) override {
-    if (bytes <= m_.size()) return;
-    // Doubling: a batch that grows a little each time does not remap each time.
-    m_.resize(std::max(bytes, m_.size() * 2), true);
+    if (bytes > m_.size()) m_ = grown(m_, bytes);
+  }
+  // The fd of a slot grown here (for the reply), or -1; the caller closes it.
+  int take_new_fd() {
+    if (m_.fd() < 0) return -1;
+    int fd = ::dup(m_.fd());
+    m_.close_fd();
+    return fd;
   }
 
  private:
@@ -169,7 +184,8 @@ int serve_jobs(int sock, JobBody& body) {
     reply.bytes = r.bytes;
     reply.slot_bytes = it->second.size();
     reply.message = std::move(r.message);
-    if (!send(sock, reply)) return errno == EPIPE || errno == ECONNRESET ? 0 : 4;
+    UniqueFd new_fd(it->second.take_new_fd());
+    if (!send(sock, reply, new_fd.get())) return errno == EPIPE || errno == ECONNRESET ? 0 : 4;
   }
 }
 
@@ -189,8 +205,8 @@ int serve_jobs_after_setup(
     if (!memfd) throw DataError("the setup came without its memfd");
     std::string bytes(setup.bytes, '\0');
     for (size_t done = 0; done < bytes.size();) {
-      ssize_t n = ::pread(memfd.get(), bytes.data() + done, bytes.size() - done,
-                          static_cast<off_t>(done));
+      ssize_t n =
+          ::pread(memfd.get(), bytes.data() + done, bytes.size() - done, static_cast<off_t>(done));
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) throw SystemError("reading the worker's setup", n < 0 ? errno : EIO);
       done += static_cast<size_t>(n);
@@ -239,8 +255,10 @@ class JobQueue::Impl : public JobSlot {
   std::byte* data() override { return slots_[static_cast<size_t>(current_)]->memory.data(); }
   size_t size() const override { return slots_[static_cast<size_t>(current_)]->memory.size(); }
   void reserve(size_t bytes) override {
-    auto& m = slots_[static_cast<size_t>(current_)]->memory;
-    if (bytes > m.size()) m.resize(std::max(bytes, m.size() * 2), true);
+    auto& s = *slots_[static_cast<size_t>(current_)];
+    if (bytes <= s.memory.size()) return;
+    s.memory = grown(s.memory, bytes);
+    s.sent_bytes = 0;  // the worker gets the new one with the job
   }
 
   void await_started() {
@@ -290,19 +308,17 @@ class JobQueue::Impl : public JobSlot {
     const uint64_t job = next_job_++;
     jobs_[job] = Job{.worker = next.worker, .slot = next.slot};
     if (!p.alive) return job;  // its death is reported by next()
-    if (s.sent_bytes != s.memory.size()) {  // new, or grown here: the worker maps it (again)
-      int fd = ::dup(s.memory.fd());
-      if (fd < 0 || !send(p.sock.get(), SlotMsg{.slot = next.slot, .bytes = s.memory.size()}, fd)) {
-        const int e = errno;
-        if (fd >= 0) ::close(fd);
-        if (e != EPIPE && e != ECONNRESET) {
+    if (s.sent_bytes == 0) {   // new, or grown here: the worker maps it (instead)
+      if (!send(p.sock.get(), SlotMsg{.slot = next.slot, .bytes = s.memory.size()},
+                s.memory.fd())) {
+        if (errno != EPIPE && errno != ECONNRESET) {
           throw WorkerError(fmt::format("cannot send worker {} (PID {}) a slot: {}", next.worker,
-                                        p.pid, std::strerror(e)),
+                                        p.pid, std::strerror(errno)),
                             next.worker, p.pid, {});
         }
         return job;
       }
-      ::close(fd);
+      s.memory.close_fd();
       s.sent_bytes = s.memory.size();
     }
     if (!send(p.sock.get(), JobMsg{.job = job, .slot = next.slot, .bytes = input_bytes}) &&
@@ -395,11 +411,11 @@ class JobQueue::Impl : public JobSlot {
   struct Proc {
     pid_t pid = -1;
     UniqueFd sock;
-    launch::detail::Child child;  // kFork
-    bool alive = false;           // started, not known to have ended
-    bool active = true;           // takes jobs (not after kEnd)
+    launch::detail::Child child;               // kFork
+    bool alive = false;                        // started, not known to have ended
+    bool active = true;                        // takes jobs (not after kEnd)
     std::optional<launch::ExitStatus> status;  // once collected
-    std::vector<int> free;  // its slots not in use
+    std::vector<int> free;                     // its slots not in use
   };
   struct SlotState {
     int worker = 0;
@@ -444,26 +460,26 @@ class JobQueue::Impl : public JobSlot {
       auto* after_child = o_.after_fork_child;
       if (o_.before_fork) o_.before_fork();
       try {
-        p.child = launch::detail::start_child(
-            {.main =
-                 [body, after_child, sock, w] {
-                   // A copy of this process: it may allocate (it runs the caller's code next).
-                   if (after_child) after_child();
-                   std::unique_ptr<JobBody> b;
-                   try {
-                     b = (*body)(w);
-                   } catch (const std::exception& e) {
-                     send(sock, FailedMsg{e.what()});
-                     return 3;
-                   }
-                   send(sock, ReadyMsg{});
-                   return serve_jobs(sock, *b);
-                 },
-             .close_other_fds = false,
-             .close_fds = close_in_child,
-             .name = name.c_str(),
-             .stop = {.signal = 0},
-             .what = fmt::format("worker {}", w)});
+        p.child = launch::detail::start_child({.main =
+                                                   [body, after_child, sock, w] {
+                                                     // A copy of this process: it may allocate (it
+                                                     // runs the caller's code next).
+                                                     if (after_child) after_child();
+                                                     std::unique_ptr<JobBody> b;
+                                                     try {
+                                                       b = (*body)(w);
+                                                     } catch (const std::exception& e) {
+                                                       send(sock, FailedMsg{e.what()});
+                                                       return 3;
+                                                     }
+                                                     send(sock, ReadyMsg{});
+                                                     return serve_jobs(sock, *b);
+                                                   },
+                                               .close_other_fds = false,
+                                               .close_fds = close_in_child,
+                                               .name = name.c_str(),
+                                               .stop = {.signal = 0},
+                                               .what = fmt::format("worker {}", w)});
       } catch (...) {
         if (o_.after_fork_parent) o_.after_fork_parent();
         throw;
@@ -567,11 +583,19 @@ class JobQueue::Impl : public JobSlot {
           if (errno == EAGAIN) continue;
           return {.died = died(w)};
         }
-        for (int fd : got) {
-          if (fd >= 0) ::close(fd);
+        UniqueFd grown_fd(got[0]);  // a slot the worker replaced by a larger one
+        for (int k = 1; k < kMaxFds; ++k) {
+          if (got[k] >= 0) ::close(got[k]);
         }
         auto reply = forkguard::detail::decode_one_of<Reply>(f, "job worker reply", &raise);
         const auto* res = std::get_if<ResultMsg>(&reply);
+        if (res && res->slot < static_cast<int>(slots_.size()) &&
+            slots_[static_cast<size_t>(res->slot)]->worker == w && grown_fd) {
+          auto& s = *slots_[static_cast<size_t>(res->slot)];
+          s.memory = Mapping(grown_fd.release(), res->slot_bytes);
+          s.memory.close_fd();
+          s.sent_bytes = s.memory.size();
+        }
         if (res) {
           if (auto sk = skipped_.find(res->job);
               sk != skipped_.end() && sk->second.worker == w && sk->second.slot == res->slot) {
@@ -582,16 +606,14 @@ class JobQueue::Impl : public JobSlot {
         }
         auto it = res ? jobs_.find(res->job) : jobs_.end();
         if (it == jobs_.end() || it->second.worker != w || it->second.slot != res->slot) {
-          throw DataError(fmt::format("worker {} (PID {}) answered a job it was not given", w,
-                                      p.pid));
+          throw DataError(
+              fmt::format("worker {} (PID {}) answered a job it was not given", w, p.pid));
         }
         auto& s = *slots_[static_cast<size_t>(res->slot)];
-        if (res->bytes > res->slot_bytes) {
+        if (res->bytes > s.memory.size()) {
           throw DataError(fmt::format("worker {} (PID {}): a {}-byte result in a {}-byte slot", w,
-                                      p.pid, res->bytes, res->slot_bytes));
+                                      p.pid, res->bytes, s.memory.size()));
         }
-        if (res->slot_bytes > s.memory.size()) s.memory.resize(res->slot_bytes, false);
-        s.sent_bytes = s.memory.size();
         if (res->kind == JobKind::kEnd) {
           p.active = false;  // next() skips the jobs it had after this one
           give_back(res->slot);

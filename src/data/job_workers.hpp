@@ -82,7 +82,8 @@ int serve_jobs(int sock, JobBody& body);
 // builds the body with `make` (an exception is reported as "failed" with its text), says ready
 // and serves. Returns the exit code.
 int serve_jobs_after_setup(
-    int sock, const std::function<std::unique_ptr<JobBody>(std::string_view setup, int worker)>& make);
+    int sock,
+    const std::function<std::unique_ptr<JobBody>(std::string_view setup, int worker)>& make);
 
 enum class JobStart {
   kFork,    // start_child: a copy of this process, running `body`
@@ -103,7 +104,7 @@ struct JobOptions {
   // kServer:
   launch::detail::ForkServer* server = nullptr;
   std::string server_function{};
-  std::string setup{};  // the bytes every worker receives in its setup memfd
+  std::string setup{};                         // the bytes every worker receives in its setup memfd
   std::chrono::milliseconds start_timeout{0};  // for "ready"; 0: as long as it takes
   size_t slot_bytes = 1 << 20;                 // a new slot's size
   std::string name = "fg-job-worker";          // process name prefix (ps): name-W

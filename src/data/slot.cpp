@@ -60,17 +60,6 @@ Mapping::~Mapping() {
   if (data_ != nullptr) ::munmap(data_, size_);
 }
 
-void Mapping::resize(size_t bytes, bool grow_file) {
-  if (bytes == size_) return;
-  if (grow_file && ::ftruncate(fd_.get(), static_cast<off_t>(bytes)) != 0) {
-    throw SystemError(fmt::format("growing a slot to {} bytes", bytes), errno);
-  }
-  void* p = ::mremap(data_, size_, bytes, MREMAP_MAYMOVE);
-  if (p == MAP_FAILED) throw SystemError(fmt::format("mremap of a slot to {} bytes", bytes), errno);
-  data_ = static_cast<std::byte*>(p);
-  size_ = bytes;
-}
-
 Mapping create_shared(size_t bytes, const char* name) {
   int fd = ::memfd_create(name, MFD_CLOEXEC);
   if (fd < 0) throw SystemError("memfd_create", errno);

@@ -42,9 +42,8 @@ class Mapping {
   std::byte* data() const { return data_; }
   size_t size() const { return size_; }
   int fd() const { return fd_.get(); }
-  // Maps `bytes` of the memfd instead (data() may move); `grow_file`: ftruncate it to that size
-  // first (the file only ever grows: another process may map it whole).
-  void resize(size_t bytes, bool grow_file);
+  // Closes the fd; the mapping stays (a process holding many slots holds no fd for them).
+  void close_fd() { fd_.reset(); }
 
  private:
   forkguard::detail::UniqueFd fd_;
