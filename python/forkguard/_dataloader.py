@@ -12,6 +12,7 @@ it held. The workers are forks of this process while it is fork-safe (nothing pi
 does), else children of forkguard's clean interpreter fork server, which receive the dataset,
 collate_fn and worker_init_fn by value (cloudpickle).
 """
+import atexit
 import gc
 import os
 import pickle
@@ -120,6 +121,18 @@ class DataLoader(_TorchDataLoader[T_co]):
         if self._iterator is not None:  # persistent workers: the next pass restarts its iterator
             self._iterator._shutdown_workers()
             self._iterator = None
+
+
+_live_iterators = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_workers_at_exit():
+    # Before the fork servers are stopped (registered earlier, so run later): a worker that
+    # still holds a copy of a server's socket would keep that server waiting for EOF, and the
+    # interpreter's exit waiting for the server. torch's workers notice the exit by a watchdog.
+    for it in list(_live_iterators):
+        it._shutdown_workers()
 
 
 def _rng_state(loader):
@@ -356,9 +369,13 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
             # The dataset's objects out of the collector's reach: a forked worker's reference
             # counting alone then dirties their pages, not a collection walking all of them.
             gc.freeze()
+            from . import _launch
+
+            server = _launch._server  # its socket: the Python fork server's EOF is its exit
             queue = _native._JobQueue(self._num_workers, self._prefetch_factor, "fork",
                                       _dataloader_worker.make(spec), None, None, "", b"", 0.0,
-                                      1 << 20, "fg-dl-worker")
+                                      1 << 20, "fg-dl-worker",
+                                      [server.sock.fileno()] if server is not None else [])
         else:
             from . import _launch
 
@@ -371,6 +388,7 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
                                       "fg-dl-worker")
         self._queue = queue
         self._shutdown = False
+        _live_iterators.add(self)
         self._workers = [_WorkerProcess(queue, w) for w in range(self._num_workers)]
         try:
             queue.await_started()

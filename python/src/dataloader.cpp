@@ -106,7 +106,8 @@ struct Queue {
 
   Queue(int workers, size_t prefetch, const std::string& start, py::object make_body,
         std::optional<int> server_pid, std::optional<int> server_sock, std::string function,
-        py::bytes setup, double start_timeout, size_t slot_bytes, std::string name) {
+        py::bytes setup, double start_timeout, size_t slot_bytes, std::string name,
+        std::vector<int> close_in_child) {
     fdd::JobOptions o;
     o.workers = workers;
     o.prefetch = prefetch;
@@ -133,6 +134,10 @@ struct Queue {
       o.before_fork = [] { PyOS_BeforeFork(); };
       o.after_fork_parent = [body] { PyOS_AfterFork_Parent(); };
       o.after_fork_child = [] { PyOS_AfterFork_Child(); };
+      o.close_in_child = close_in_child;
+      if (auto* zygote = forkguard::launch::detail::ForkServer::get()) {
+        o.close_in_child.push_back(zygote->fd());
+      }
       keep_body_ = body;
     } else {
       throw py::value_error("start must be \"fork\" or \"server\"");
@@ -209,10 +214,12 @@ void bind_dataloader(py::module_& m) {
 
   py::class_<Queue>(m, "_JobQueue")
       .def(py::init<int, size_t, const std::string&, py::object, std::optional<int>,
-                    std::optional<int>, std::string, py::bytes, double, size_t, std::string>(),
+                    std::optional<int>, std::string, py::bytes, double, size_t, std::string,
+                    std::vector<int>>(),
            py::arg("workers"), py::arg("prefetch"), py::arg("start"), py::arg("make_body"),
            py::arg("server_pid"), py::arg("server_sock"), py::arg("function"), py::arg("setup"),
-           py::arg("start_timeout"), py::arg("slot_bytes"), py::arg("name"))
+           py::arg("start_timeout"), py::arg("slot_bytes"), py::arg("name"),
+           py::arg("close_in_child") = std::vector<int>{})
       .def("await_started", &Queue::await_started)
       .def("wants_job", [](const Queue& s) { return s.q->wants_job(); })
       .def("submit", &Queue::submit, py::arg("data"), py::arg("worker") = -1)

@@ -17,6 +17,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <set>
 #include <variant>
 
 #include "data/slot.hpp"
@@ -223,6 +224,22 @@ int serve_jobs_after_setup(
 }
 
 // ------------------------------------------------------------------ the loader's side
+// Every queue's loader-side sockets, closed in each forked worker: a worker holding another
+// queue's socket would keep that queue's worker from seeing EOF when its loader stops.
+std::mutex g_loader_socks_mutex;
+std::set<int> g_loader_socks;
+
+void register_sock(const UniqueFd& fd) {
+  std::lock_guard lock(g_loader_socks_mutex);
+  g_loader_socks.insert(fd.get());
+}
+void close_sock(UniqueFd& fd) {
+  if (!fd) return;
+  std::lock_guard lock(g_loader_socks_mutex);
+  g_loader_socks.erase(fd.get());
+  fd.reset();
+}
+
 class JobQueue::Impl : public JobSlot {
  public:
   explicit Impl(JobOptions o) : o_(std::move(o)) {
@@ -379,10 +396,11 @@ class JobQueue::Impl : public JobSlot {
     for (auto& p : procs_) {
       p.active = false;
       if (!p.alive) continue;
-      p.sock.reset();  // EOF: the worker ends its job and exits
+      close_sock(p.sock);  // EOF: the worker ends its job and exits
       if (now) kill(p);
     }
     for (auto& p : procs_) {
+      close_sock(p.sock);  // also those of workers that never started
       if (!p.alive) continue;
       p.alive = false;
       if (!collect(p, kExitGrace)) {
@@ -443,6 +461,7 @@ class JobQueue::Impl : public JobSlot {
       if (!send(mine.get(), SetupMsg{.bytes = o_.setup.size(), .worker = w}, setup_fd)) {
         const int e = errno;
         p.sock = std::move(mine);
+        register_sock(p.sock);
         p.alive = true;
         throw WorkerError(fmt::format("cannot send worker {} its setup: {}", w, std::strerror(e)),
                           w, p.pid, {});
@@ -450,9 +469,11 @@ class JobQueue::Impl : public JobSlot {
     } else {
       // Prepared before the fork: the loader's ends of the other workers' sockets, which this
       // worker must not hold (they would never see EOF), and its name.
-      std::vector<int> close_in_child{mine.get()};
-      for (const auto& q : procs_) {
-        if (q.sock) close_in_child.push_back(q.sock.get());
+      std::vector<int> close_in_child = o_.close_in_child;
+      close_in_child.push_back(mine.get());
+      {
+        std::lock_guard lock(g_loader_socks_mutex);
+        close_in_child.insert(close_in_child.end(), g_loader_socks.begin(), g_loader_socks.end());
       }
       const std::string name = fmt::format("{}-{}", o_.name, w);
       const int sock = theirs.get();
@@ -489,6 +510,7 @@ class JobQueue::Impl : public JobSlot {
       theirs.reset();
     }
     p.sock = std::move(mine);
+    register_sock(p.sock);
     p.alive = true;
   }
 
@@ -638,7 +660,7 @@ class JobQueue::Impl : public JobSlot {
     auto& p = procs_[static_cast<size_t>(w)];
     p.alive = false;
     p.active = false;
-    p.sock.reset();
+    close_sock(p.sock);
     if (!collect(p, kExitGrace)) {  // it closed its socket yet lives on: make sure it is gone
       kill(p);
       collect(p, std::chrono::seconds(30));

@@ -101,6 +101,9 @@ struct JobOptions {
   // kFork: called around the fork in the parent (before; after) and first thing in the child.
   std::function<void()> before_fork{}, after_fork_parent{};
   void (*after_fork_child)() = nullptr;
+  // kFork: fds of this process a worker must not hold (a fork server's socket: the server sees
+  // EOF only once every holder closed it).
+  std::vector<int> close_in_child{};
   // kServer:
   launch::detail::ForkServer* server = nullptr;
   std::string server_function{};
