@@ -11,6 +11,7 @@ memfd, the outcome comes back in the same memfd), RankError and the notebook-fac
 """
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
 import os
@@ -77,6 +78,7 @@ class _Server:
         theirs.close()
         self.sock = ours
         self.pid = self.proc.pid
+        self.owner = os.getpid()  # a fork of the owner holds a copy of this object, not the server
         self.ready = None  # the "ready" message's fields, once received
         self.exits: Dict[int, int] = {}  # exit reports read here: forkguard.guard()'s children
 
@@ -165,6 +167,14 @@ def stop_server() -> None:
         if _server is not None:
             _server.close()
             _server = None
+
+
+@atexit.register
+def _stop_server_at_exit():
+    # Gone with this interpreter rather than just after it (its EOF): whoever waits for this
+    # process and what it started (a test harness, a job scheduler) finds nothing left.
+    if _server is not None and _server.owner == os.getpid():
+        stop_server()
 
 
 def notebook_launch(fn: Callable[..., Any], args: Sequence[Any] = (), nproc: int = 1, *,
