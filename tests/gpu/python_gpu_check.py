@@ -9,6 +9,9 @@
    device buffer must wait for that work (the bytes read back equal the host loader's). Streams
    0 and -2 are refused (DLPack).
 3. forkguard.notebook_launch after this process initialized CUDA: every rank's cuInit succeeds.
+4. forkguard.DataLoader after this process initialized CUDA, over a Dataset whose __getitem__
+   calls cuInit: the workers come from the clean fork server, every cuInit returns 0, one
+   CudaInWorkerWarning names __getitem__; with cuda_in_workers="error", CudaInWorkerError does.
 Prints "python-gpu ok" or "python-gpu FAIL: ...". Needs PYTHONPATH=BUILD/python.
 Run: /usr/bin/python3 python_gpu_check.py"""
 import ctypes
@@ -107,6 +110,41 @@ def rank_init():
     return c.CDLL(o.environ.get("FORKGUARD_CUDA_DRIVER", "libcuda.so.1")).cuInit(0)
 
 
+class CudaTouching:
+    """A Dataset whose samples initialize CUDA in the worker (as `.cuda()` in __getitem__)."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        import ctypes as c
+        import os as o
+        return c.CDLL(o.environ.get("FORKGUARD_CUDA_DRIVER", "libcuda.so.1")).cuInit(0)
+
+
+def dataloader_check(failures):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = [int(x) for b in forkguard.DataLoader(CudaTouching(), batch_size=2, num_workers=2)
+               for x in b]
+    said = [w for w in seen if issubclass(w.category, forkguard.CudaInWorkerWarning)]
+    print(f"  DataLoader after the parent's cuInit: workers' cuInit returned {got}, "
+          f"{len(said)} CudaInWorkerWarning")
+    if got != [0] * 8:
+        failures.append(f"DataLoader workers' cuInit returned {got}")
+    if len(said) != 1 or "__getitem__" not in str(said[0].message):
+        failures.append(f"DataLoader CUDA warnings: {[str(w.message) for w in said]}")
+    try:
+        list(forkguard.DataLoader(CudaTouching(), batch_size=2, num_workers=2,
+                                  cuda_in_workers="error"))
+        failures.append("DataLoader(cuda_in_workers='error') did not raise")
+    except forkguard.CudaInWorkerError as e:
+        if "__getitem__" not in str(e):
+            failures.append(f"CudaInWorkerError does not name __getitem__: {e}")
+
+
 def main():
     failures = []
     lib = cuda()
@@ -130,6 +168,7 @@ def main():
     print(f"  notebook_launch after the parent's cuInit: ranks' cuInit returned {ranks}")
     if ranks != [0, 0]:
         failures.append(f"notebook_launch ranks' cuInit returned {ranks}")
+    dataloader_check(failures)
     forkguard.stop_server()
     print("python-gpu ok" if not failures else "python-gpu FAIL: " + "; ".join(failures))
     return 1 if failures else 0
