@@ -65,12 +65,31 @@ class _SkeletonPickler(pickle.Pickler):
         return pid
 
 
-def encode(batch, reserve):
+_cloud_pickler = None
+
+
+def _cloud_skeleton_pickler():
+    """_SkeletonPickler with cloudpickle's reducers: classes and functions of a __main__ the
+    worker does not share (a fork-server worker's) travel by value, not by a name only the
+    loader's process can resolve."""
+    global _cloud_pickler
+    if _cloud_pickler is None:
+        import cloudpickle
+
+        class CloudSkeletonPickler(_SkeletonPickler, cloudpickle.Pickler):
+            pass
+
+        _cloud_pickler = CloudSkeletonPickler
+    return _cloud_pickler
+
+
+def encode(batch, reserve, by_value=False):
     """Writes `batch` into a slot. `reserve(n)` returns a writable memoryview (format 'B') of at
     least n bytes of the slot, starting at slot offset 0 (it may grow the slot; a new call may
-    return a different memoryview: use only the latest). Returns the number of bytes used."""
+    return a different memoryview: use only the latest). `by_value`: pickle the skeleton with
+    cloudpickle (see _cloud_skeleton_pickler). Returns the number of bytes used."""
     file = io.BytesIO()
-    pickler = _SkeletonPickler(file)
+    pickler = (_cloud_skeleton_pickler() if by_value else _SkeletonPickler)(file)
     pickler.dump(batch)
     skeleton = file.getbuffer()
     total = pickler.end + len(skeleton)

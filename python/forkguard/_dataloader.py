@@ -379,7 +379,7 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
         else:
             from . import _launch
 
-            spec.update(cwd=os.getcwd(), sys_path=list(sys.path))
+            spec.update(cwd=os.getcwd(), sys_path=list(sys.path), by_value=True)
             setup = _dumps(spec)
             server_pid = _launch.start_server(wait=True)
             queue = _native._JobQueue(self._num_workers, self._prefetch_factor, "server", None,

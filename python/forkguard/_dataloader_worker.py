@@ -205,7 +205,7 @@ class Worker:
         if self.guard is not None and self.guard.skipped:
             meta = {"skipped": self.guard.skipped}
             self.guard.skipped = []
-        n = _batch_codec.encode((data, meta), slot.reserve)
+        n = _batch_codec.encode((data, meta), slot.reserve, self.spec.get("by_value", False))
         if found is not None:
             return CUDA, n, found
         return kind, n, ""
