@@ -71,11 +71,20 @@ def send(sock, fields, fds=()):
 def _preload(modules):
     done, errors = [], {}
     for name in modules:
+        # forkguard's package starts a C++ fork server at import: not in this one (the ranks and
+        # workers it forks import it again for themselves, with the environment they are given).
+        saved = os.environ.get("FORKGUARD_NO_FORK_SERVER")
+        os.environ["FORKGUARD_NO_FORK_SERVER"] = "1"
         try:
             __import__(name)
             done.append(name)
         except BaseException as e:  # noqa: BLE001 - reported to the caller, never swallowed
             errors[name] = f"{type(e).__name__}: {e}"
+        finally:
+            if saved is None:
+                del os.environ["FORKGUARD_NO_FORK_SERVER"]
+            else:
+                os.environ["FORKGUARD_NO_FORK_SERVER"] = saved
     return done, errors
 
 
@@ -110,26 +119,32 @@ def _write_outcome(fd, outcome):
     os.pwrite(fd, _HEADER.pack(RESULT_MAGIC, length), 0)
 
 
+def _child_setup(out_fd, err_fd):
+    """A forked child's first steps: it dies with the server, the server's signal handling is
+    undone, stdout and stderr are the caller's."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the server
+    except Exception:  # noqa: BLE001 - best effort; the server also kills on its own exit
+        pass
+    for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.set_wakeup_fd(-1)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    os.close(out_fd)
+    os.close(err_fd)
+
+
 def _rank_main(fields, fds):
     """Runs in the forked rank; never returns."""
     out_fd, err_fd, memfd = fds
     code = 1
     try:
         os.setsid()
-        try:
-            import ctypes
-
-            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the server
-        except Exception:  # noqa: BLE001 - best effort; the server also kills on its own exit
-            pass
-        for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.set_wakeup_fd(-1)
-        signal.pthread_sigmask(signal.SIG_SETMASK, [])
-        os.dup2(out_fd, 1)
-        os.dup2(err_fd, 2)
-        os.close(out_fd)
-        os.close(err_fd)
+        _child_setup(out_fd, err_fd)
         sys.stdout.reconfigure(line_buffering=True)
         sys.stderr.reconfigure(line_buffering=True)
         nargs = int(fields[8])
@@ -199,20 +214,7 @@ def _start_dataloader_worker(fds, close):
     try:
         for f in close:
             os.close(f)
-        try:
-            import ctypes
-
-            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the server
-        except Exception:  # noqa: BLE001 - best effort; the worker also ends at its socket's EOF
-            pass
-        for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.set_wakeup_fd(-1)
-        signal.pthread_sigmask(signal.SIG_SETMASK, [])
-        os.dup2(out_fd, 1)
-        os.dup2(err_fd, 2)
-        os.close(out_fd)
-        os.close(err_fd)
+        _child_setup(out_fd, err_fd)
         os.environ["FORKGUARD_NO_FORK_SERVER"] = "1"  # the package's import starts none here
         from forkguard import _dataloader_worker
 
