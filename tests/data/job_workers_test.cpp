@@ -161,9 +161,9 @@ TEST_F(JobQueue, AWorkerThatDiesIsReportedWithItsSignalAndTheJobsItHeld) {
   fdd::JobQueue q(options(2));
   q.await_started();
   const pid_t victim = q.pid(1);
-  submit(q, "a");                 // 0 -> worker 0
-  submit(q, "sleep 100", 1);      // 1 -> worker 1
-  submit(q, "die", 1);            // 2 -> worker 1
+  submit(q, "a");             // 0 -> worker 0
+  submit(q, "sleep 100", 1);  // 1 -> worker 1
+  submit(q, "die", 1);        // 2 -> worker 1
   auto r = q.next(5s);
   ASSERT_TRUE(r);
   EXPECT_EQ(text(q, *r), "0:0:a");
