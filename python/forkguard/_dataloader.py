@@ -399,7 +399,8 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
         else:
             from . import _launch
 
-            spec.update(cwd=os.getcwd(), sys_path=list(sys.path), by_value=True)
+            spec.update(cwd=os.getcwd(), sys_path=list(sys.path), argv=list(sys.argv),
+                        by_value=True)
             setup = _dumps(spec)
             # The worker module (and forkguard's extension) loaded once in the server, not in
             # each worker it forks: about 70 ms less per worker start.

@@ -270,6 +270,7 @@ def server_main(fd):
         spec = pickle.loads(setup)
         os.chdir(spec["cwd"])
         sys.path[:] = spec["sys_path"]
+        sys.argv[:] = spec["argv"]
         return Worker(spec, worker_id)
 
     return _native._serve_jobs_after_setup(fd, build)

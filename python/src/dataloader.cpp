@@ -148,6 +148,7 @@ struct Queue {
     if (q) {
       py::gil_scoped_release nogil;
       q->stop(false);
+      q->detach_server();  // batches still alive keep the queue, not the server
     }
     delete keep_body_;
   }
@@ -250,6 +251,10 @@ void bind_dataloader(py::module_& m) {
           [](Queue& s, bool now) {
             py::gil_scoped_release nogil;
             s.q->stop(now);
+            // The server's socket duplicate goes with the workers: the server sees EOF (and
+            // exits) as soon as its owner closes its own end.
+            s.q->detach_server();
+            s.server.reset();
           },
           py::arg("now") = false);
 

@@ -410,6 +410,8 @@ class JobQueue::Impl : public JobSlot {
     }
   }
 
+  void detach_server() { o_.server = nullptr; }
+
   std::vector<pid_t> pids() const {
     std::vector<pid_t> out;
     for (const auto& p : procs_) {
@@ -684,6 +686,7 @@ class JobQueue::Impl : public JobSlot {
   bool collect(Proc& p, std::chrono::milliseconds timeout) {
     if (p.status || p.pid <= 0) return true;
     if (o_.start == JobStart::kServer) {
+      if (o_.server == nullptr) return false;  // detached: its exit report is not ours to read
       if (auto status = o_.server->wait_exit(p.pid, timeout)) {
         p.status = launch::ExitStatus::from_wait_status(*status);
       }
@@ -745,6 +748,9 @@ int JobQueue::workers() const {
 }
 void JobQueue::stop(bool now) {
   impl_->stop(now);
+}
+void JobQueue::detach_server() {
+  impl_->detach_server();
 }
 std::vector<pid_t> JobQueue::pids() const {
   return impl_->pids();

@@ -167,6 +167,8 @@ class JobQueue {
   int workers() const;
   // Stops the workers: EOF on their sockets, then SIGKILL after the grace (`now`: at once).
   void stop(bool now = false);
+  // kServer, after stop(): the queue no longer uses the server (its owner may close it).
+  void detach_server();
   std::vector<pid_t> pids() const;  // started, not yet collected
   pid_t pid(int worker) const;
   // The worker's exit status once it ended (waits up to `timeout` for it); nullopt while alive.
