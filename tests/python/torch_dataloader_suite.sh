@@ -9,13 +9,13 @@
 #
 #   torch_dataloader_suite.sh START PYTHONPATH_DIR
 #
-# The suite lives beside the checkout (FORKGUARD_PEER_SUITES, default ../shared/peer-suites);
-# where it is absent the test says so and is skipped (exit 77).
+# The suite is tests/peer-suites/torch-dataloader (a copy of shared/peer-suites; another copy
+# with FORKGUARD_PEER_SUITES=DIR); where it is absent the test says so and is skipped (exit 77).
 set -euo pipefail
 start=$1
 pydir=$2
 here=$(cd "$(dirname "$0")" && pwd)
-suites=${FORKGUARD_PEER_SUITES:-$here/../../../shared/peer-suites}
+suites=${FORKGUARD_PEER_SUITES:-$here/../peer-suites}
 suite=$suites/torch-dataloader
 if [ ! -x "$suite/run.sh" ]; then
   echo "skipped: PyTorch's DataLoader suite is not at $suite (set FORKGUARD_PEER_SUITES)"
