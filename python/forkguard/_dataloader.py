@@ -514,11 +514,10 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
             warnings.warn(text, CudaInWorkerWarning, stacklevel=3)
 
     def _shutdown_workers(self):
-        if getattr(self, "_shutdown", True):
-            return
-        self._shutdown = True
-        self._queue.stop()
-        if self._frozen:
+        if not getattr(self, "_shutdown", True):
+            self._shutdown = True
+            self._queue.stop()
+        if getattr(self, "_frozen", False):  # also when the workers could not be started
             self._frozen = False
             _unfreeze()
 
