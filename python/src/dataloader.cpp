@@ -123,22 +123,21 @@ struct Queue {
       o.setup = std::string(setup);
     } else if (start == "fork") {
       o.start = fdd::JobStart::kFork;
-      auto* body = new py::object(std::move(make_body));  // only the workers use it
-      o.body = [body](int w) -> std::unique_ptr<fdd::JobBody> {
+      make_body_ = std::move(make_body);  // called in the workers only
+      o.body = [make = &make_body_](int w) -> std::unique_ptr<fdd::JobBody> {
         try {
-          return std::make_unique<PyBody>((*body)(w));
+          return std::make_unique<PyBody>((*make)(w));
         } catch (py::error_already_set& e) {
           throw forkguard::data::DataError(e.what());
         }
       };
       o.before_fork = [] { PyOS_BeforeFork(); };
-      o.after_fork_parent = [body] { PyOS_AfterFork_Parent(); };
+      o.after_fork_parent = [] { PyOS_AfterFork_Parent(); };
       o.after_fork_child = [] { PyOS_AfterFork_Child(); };
       o.close_in_child = close_in_child;
       if (auto* zygote = forkguard::launch::detail::ForkServer::get()) {
         o.close_in_child.push_back(zygote->fd());
       }
-      keep_body_ = body;
     } else {
       throw py::value_error("start must be \"fork\" or \"server\"");
     }
@@ -150,7 +149,6 @@ struct Queue {
       q->stop(false);
       q->detach_server();  // batches still alive keep the queue, not the server
     }
-    delete keep_body_;
   }
 
   void await_started() {
@@ -195,7 +193,7 @@ struct Queue {
   }
 
  private:
-  py::object* keep_body_ = nullptr;
+  py::object make_body_;  // kFork: builds a worker's body, in the worker
 };
 
 }  // namespace
@@ -226,7 +224,6 @@ void bind_dataloader(py::module_& m) {
       .def("submit", &Queue::submit, py::arg("data"), py::arg("worker") = -1)
       .def("next", &Queue::next, py::arg("timeout") = py::none())
       .def("reactivate", [](Queue& s) { s.q->reactivate(); })
-      .def("active", [](const Queue& s, int w) { return s.q->active(w); })
       .def("pid", [](const Queue& s, int w) { return s.q->pid(w); })
       .def("pids", [](const Queue& s) { return s.q->pids(); })
       .def(

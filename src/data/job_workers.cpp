@@ -1,26 +1,22 @@
 #include "data/job_workers.hpp"
 
-#include <fcntl.h>
 #include <fmt/format.h>
 #include <poll.h>
-#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
-#include <sys/syscall.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <deque>
 #include <map>
 #include <mutex>
 #include <set>
 #include <variant>
 
 #include "data/slot.hpp"
+#include "data/worker_protocol.hpp"
 #include "detail/fd.hpp"
 #include "detail/seqpacket.hpp"
 #include "forkguard/data/error.hpp"
@@ -31,8 +27,6 @@
 namespace forkguard::data::detail {
 namespace {
 
-using forkguard::detail::at_least;
-using forkguard::detail::Bounds;
 using forkguard::detail::kMaxFds;
 using forkguard::detail::recv_message;
 using forkguard::detail::send_message;
@@ -42,26 +36,8 @@ using Clock = std::chrono::steady_clock;
 constexpr auto kExitGrace = std::chrono::seconds(2);
 
 // ------------------------------------------------------------------ the messages
-struct SetupMsg {
-  static constexpr std::string_view kKind = "setup";
-  uint64_t bytes = 0;
-  int worker = 0;
-  template <class V, class M>
-  static void fields(V& v, M& m) {
-    v("bytes", m.bytes);
-    v("worker", m.worker, at_least(0));
-  }
-};
-struct SlotMsg {
-  static constexpr std::string_view kKind = "slot";
-  int slot = 0;
-  uint64_t bytes = 0;
-  template <class V, class M>
-  static void fields(V& v, M& m) {
-    v("slot", m.slot, at_least(0));
-    v("bytes", m.bytes, at_least<uint64_t>(1));
-  }
-};
+// setup, slot, ready and failed are the process workers' own messages (data/worker_protocol.hpp);
+// a job and its result are these.
 struct JobMsg {
   static constexpr std::string_view kKind = "job";
   uint64_t job = 0;
@@ -72,19 +48,6 @@ struct JobMsg {
     v("job", m.job);
     v("slot", m.slot, at_least(0));
     v("bytes", m.bytes);
-  }
-};
-struct ReadyMsg {
-  static constexpr std::string_view kKind = "ready";
-  template <class V, class M>
-  static void fields(V&, M&) {}
-};
-struct FailedMsg {
-  static constexpr std::string_view kKind = "failed";
-  std::string message{};
-  template <class V, class M>
-  static void fields(V& v, M& m) {
-    v("message", m.message);
   }
 };
 struct ResultMsg {
@@ -105,8 +68,8 @@ struct ResultMsg {
     v("message", m.message);
   }
 };
-using Request = std::variant<SetupMsg, SlotMsg, JobMsg>;
-using Reply = std::variant<ReadyMsg, FailedMsg, ResultMsg>;
+using Request = std::variant<SetupMessage, SlotMessage, JobMsg>;
+using Reply = std::variant<ReadyReply, FailedReply, ResultMsg>;
 
 [[noreturn]] void raise(const std::string& message) {
   throw DataError(message);
@@ -115,6 +78,13 @@ template <class M>
 bool send(int sock, const M& m, int fd = -1) {
   return send_message(sock, forkguard::detail::encode_message(m), fd >= 0 ? &fd : nullptr,
                       fd >= 0 ? 1 : 0);
+}
+
+// poll()'s timeout until `deadline` (rounded up: never early), or -1 without one.
+int poll_ms(std::optional<Clock::time_point> deadline) {
+  if (!deadline) return -1;
+  return static_cast<int>(std::max<long>(
+      0, std::chrono::ceil<std::chrono::milliseconds>(*deadline - Clock::now()).count()));
 }
 
 // ------------------------------------------------------------------ the worker's side
@@ -137,12 +107,7 @@ class WorkerSlot : public JobSlot {
     if (bytes > m_.size()) m_ = grown(m_, bytes);
   }
   // The fd of a slot grown here (for the reply), or -1; the caller closes it.
-  int take_new_fd() {
-    if (m_.fd() < 0) return -1;
-    int fd = ::dup(m_.fd());
-    m_.close_fd();
-    return fd;
-  }
+  int take_new_fd() { return m_.release_fd(); }
 
  private:
   Mapping m_;
@@ -163,7 +128,7 @@ int serve_jobs(int sock, JobBody& body) {
       std::fprintf(stderr, "forkguard: worker %d: %s\n", static_cast<int>(::getpid()), e.what());
       return 4;
     }
-    if (const auto* s = std::get_if<SlotMsg>(&request); s && fds[0] >= 0) {
+    if (const auto* s = std::get_if<SlotMessage>(&request); s && fds[0] >= 0) {
       slots.insert_or_assign(s->slot, WorkerSlot(Mapping(fds[0], s->bytes)));
       continue;
     }
@@ -202,24 +167,17 @@ int serve_jobs_after_setup(
   }
   std::unique_ptr<JobBody> body;
   try {
-    auto setup = forkguard::detail::decode_message<SetupMsg>(f, "job worker request", &raise);
+    auto setup = forkguard::detail::decode_message<SetupMessage>(f, "job worker request", &raise);
     if (!memfd) throw DataError("the setup came without its memfd");
-    std::string bytes(setup.bytes, '\0');
-    for (size_t done = 0; done < bytes.size();) {
-      ssize_t n =
-          ::pread(memfd.get(), bytes.data() + done, bytes.size() - done, static_cast<off_t>(done));
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) throw SystemError("reading the worker's setup", n < 0 ? errno : EIO);
-      done += static_cast<size_t>(n);
-    }
+    std::string bytes = read_setup(memfd.get(), setup.bytes);
     memfd.reset();
     ::prctl(PR_SET_NAME, fmt::format("fg-worker-{}", setup.worker).c_str());
     body = make(bytes, setup.worker);
   } catch (const std::exception& e) {
-    send(sock, FailedMsg{e.what()});
+    send(sock, FailedReply{e.what()});
     return 3;
   }
-  send(sock, ReadyMsg{});
+  send(sock, ReadyReply{});
   return serve_jobs(sock, *body);
 }
 
@@ -247,17 +205,7 @@ class JobQueue::Impl : public JobSlot {
     if (o_.prefetch < 1) throw DataError("prefetch must be at least 1");
     procs_.resize(static_cast<size_t>(o_.workers));
     UniqueFd setup;
-    if (o_.start == JobStart::kServer) {
-      setup.reset(::memfd_create("forkguard-worker-setup", MFD_CLOEXEC | MFD_ALLOW_SEALING));
-      if (!setup) throw SystemError("memfd_create", errno);
-      for (size_t done = 0; done < o_.setup.size();) {
-        ssize_t n = ::write(setup.get(), o_.setup.data() + done, o_.setup.size() - done);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) throw SystemError("writing the workers' setup", errno);
-        done += static_cast<size_t>(n);
-      }
-      ::fcntl(setup.get(), F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL);
-    }
+    if (o_.start == JobStart::kServer) setup = setup_memfd(o_.setup);
     try {
       for (int w = 0; w < o_.workers; ++w) start(w, setup.get());
     } catch (...) {
@@ -326,7 +274,7 @@ class JobQueue::Impl : public JobSlot {
     jobs_[job] = Job{.worker = next.worker, .slot = next.slot};
     if (!p.alive) return job;  // its death is reported by next()
     if (s.sent_bytes == 0) {   // new, or grown here: the worker maps it (instead)
-      if (!send(p.sock.get(), SlotMsg{.slot = next.slot, .bytes = s.memory.size()},
+      if (!send(p.sock.get(), SlotMessage{.slot = next.slot, .bytes = s.memory.size()},
                 s.memory.fd())) {
         if (errno != EPIPE && errno != ECONNRESET) {
           throw WorkerError(fmt::format("cannot send worker {} (PID {}) a slot: {}", next.worker,
@@ -390,17 +338,14 @@ class JobQueue::Impl : public JobSlot {
     rr_ = 0;  // a new pass starts at worker 0, as torch's does
   }
   bool active(int w) const { return procs_[static_cast<size_t>(w)].active; }
-  int workers() const { return static_cast<int>(procs_.size()); }
 
   void stop(bool now) {
     for (auto& p : procs_) {
       p.active = false;
-      if (!p.alive) continue;
       close_sock(p.sock);  // EOF: the worker ends its job and exits
-      if (now) kill(p);
+      if (now && p.alive) kill(p);
     }
     for (auto& p : procs_) {
-      close_sock(p.sock);  // also those of workers that never started
       if (!p.alive) continue;
       p.alive = false;
       if (!collect(p, kExitGrace)) {
@@ -460,7 +405,7 @@ class JobQueue::Impl : public JobSlot {
     if (o_.start == JobStart::kServer) {
       p.pid = o_.server->start_call(o_.server_function, theirs.get());
       theirs.reset();
-      if (!send(mine.get(), SetupMsg{.bytes = o_.setup.size(), .worker = w}, setup_fd)) {
+      if (!send(mine.get(), SetupMessage{.bytes = o_.setup.size(), .worker = w}, setup_fd)) {
         const int e = errno;
         p.sock = std::move(mine);
         register_sock(p.sock);
@@ -479,25 +424,9 @@ class JobQueue::Impl : public JobSlot {
       }
       const std::string name = fmt::format("{}-{}", o_.name, w);
       const int sock = theirs.get();
-      auto* body = &o_.body;
-      auto* after_child = o_.after_fork_child;
       if (o_.before_fork) o_.before_fork();
       try {
-        p.child = launch::detail::start_child({.main =
-                                                   [body, after_child, sock, w] {
-                                                     // A copy of this process: it may allocate (it
-                                                     // runs the caller's code next).
-                                                     if (after_child) after_child();
-                                                     std::unique_ptr<JobBody> b;
-                                                     try {
-                                                       b = (*body)(w);
-                                                     } catch (const std::exception& e) {
-                                                       send(sock, FailedMsg{e.what()});
-                                                       return 3;
-                                                     }
-                                                     send(sock, ReadyMsg{});
-                                                     return serve_jobs(sock, *b);
-                                                   },
+        p.child = launch::detail::start_child({.main = [this, sock, w] { return forked(sock, w); },
                                                .close_other_fds = false,
                                                .close_fds = close_in_child,
                                                .name = name.c_str(),
@@ -516,17 +445,27 @@ class JobQueue::Impl : public JobSlot {
     p.alive = true;
   }
 
+  // A forked worker's life, in a copy of this process: it may allocate (it runs the caller's
+  // code next).
+  int forked(int sock, int w) const {
+    if (o_.after_fork_child) o_.after_fork_child();
+    std::unique_ptr<JobBody> body;
+    try {
+      body = o_.body(w);
+    } catch (const std::exception& e) {
+      send(sock, FailedReply{e.what()});
+      return 3;
+    }
+    send(sock, ReadyReply{});
+    return serve_jobs(sock, *body);
+  }
+
   std::string await_ready(Proc& p, std::optional<Clock::time_point> deadline) {
     if (!p.alive) return "it was stopped";
     pollfd q{p.sock.get(), POLLIN, 0};
     int r;
     do {
-      int ms = -1;
-      if (deadline) {
-        ms = static_cast<int>(std::max<long>(
-            0, std::chrono::ceil<std::chrono::milliseconds>(*deadline - Clock::now()).count()));
-      }
-      r = ::poll(&q, 1, ms);
+      r = ::poll(&q, 1, poll_ms(deadline));
     } while (r < 0 && errno == EINTR);
     if (r == 0) {
       return fmt::format("it did not say ready within {} ms", o_.start_timeout.count());
@@ -543,8 +482,8 @@ class JobQueue::Impl : public JobSlot {
     }
     try {
       auto reply = forkguard::detail::decode_one_of<Reply>(f, "job worker reply", &raise);
-      if (std::holds_alternative<ReadyMsg>(reply)) return {};
-      if (const auto* failed = std::get_if<FailedMsg>(&reply)) return failed->message;
+      if (std::holds_alternative<ReadyReply>(reply)) return {};
+      if (const auto* failed = std::get_if<FailedReply>(&reply)) return failed->message;
       return "it answered before it was ready";
     } catch (const DataError& e) {
       return e.what();
@@ -588,12 +527,7 @@ class JobQueue::Impl : public JobSlot {
           who.push_back(static_cast<int>(w));
         }
       }
-      int ms = -1;
-      if (deadline) {
-        ms = static_cast<int>(std::max<long>(
-            0, std::chrono::ceil<std::chrono::milliseconds>(*deadline - Clock::now()).count()));
-      }
-      int r = ::poll(fds.data(), fds.size(), ms);
+      int r = ::poll(fds.data(), fds.size(), poll_ms(deadline));
       if (r < 0 && errno == EINTR) continue;
       if (r < 0) throw SystemError("poll on the workers", errno);
       if (r == 0) return {.timeout = true};
@@ -742,9 +676,6 @@ void JobQueue::reactivate() {
 }
 bool JobQueue::active(int worker) const {
   return impl_->active(worker);
-}
-int JobQueue::workers() const {
-  return impl_->workers();
 }
 void JobQueue::stop(bool now) {
   impl_->stop(now);

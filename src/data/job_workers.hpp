@@ -164,7 +164,6 @@ class JobQueue {
   // Makes every live worker active again (a new pass over an iterable: after kEnd).
   void reactivate();
   bool active(int worker) const;
-  int workers() const;
   // Stops the workers: EOF on their sockets, then SIGKILL after the grace (`now`: at once).
   void stop(bool now = false);
   // kServer, after stop(): the queue no longer uses the server (its owner may close it).

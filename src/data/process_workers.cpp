@@ -149,42 +149,6 @@ int serve(int sock, const Producer& producer) {
   }
 }
 
-// The setup travels in a sealed memfd, not in the message: a message is bounded by the socket's
-// send buffer (net.core.wmem_default, about 208 KiB), and a dataset's description lists its files
-// (tens of MB for a million of them).
-UniqueFd setup_memfd(const std::string& setup) {
-  UniqueFd fd(::memfd_create("forkguard-setup", MFD_CLOEXEC | MFD_ALLOW_SEALING));
-  if (!fd) throw SystemError("memfd_create for the process workers' setup", errno);
-  for (size_t done = 0; done < setup.size();) {
-    const ssize_t n =
-        ::pwrite(fd.get(), setup.data() + done, setup.size() - done, static_cast<off_t>(done));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      throw SystemError(
-          fmt::format("writing the process workers' setup ({} bytes) to a memfd", setup.size()),
-          n < 0 ? errno : ENOSPC);
-    }
-    done += static_cast<size_t>(n);
-  }
-  // Sealed: every worker reads the same bytes, and none can change them for the others.
-  ::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL);
-  return fd;
-}
-
-std::string read_setup(int fd, size_t size) {
-  std::string out(size, '\0');
-  for (size_t done = 0; done < size;) {
-    const ssize_t n = ::pread(fd, out.data() + done, size - done, static_cast<off_t>(done));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      throw SystemError(fmt::format("reading the worker's setup ({} bytes)", size),
-                        n < 0 ? errno : EIO);
-    }
-    done += static_cast<size_t>(n);
-  }
-  return out;
-}
-
 // The zygote function: a fork of the fork server, with the loader's socket as `sock`.
 int worker_entry(int sock) {
   std::vector<std::string> f;

@@ -44,6 +44,8 @@ class Mapping {
   int fd() const { return fd_.get(); }
   // Closes the fd; the mapping stays (a process holding many slots holds no fd for them).
   void close_fd() { fd_.reset(); }
+  // The fd, now the caller's (-1 when closed); the mapping stays.
+  int release_fd() { return fd_.release(); }
 
  private:
   forkguard::detail::UniqueFd fd_;

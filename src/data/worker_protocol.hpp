@@ -35,6 +35,7 @@
 
 #include "data/producer.hpp"
 #include "data/workers.hpp"
+#include "detail/fd.hpp"
 #include "detail/message_fields.hpp"
 
 namespace forkguard::data::detail {
@@ -157,5 +158,11 @@ std::vector<std::string> encode(const DoneReply& m);
 // message, an unknown kind, and a missing, extra or malformed field.
 WorkerRequest decode_worker_request(const std::vector<std::string>& f);
 WorkerReply decode_worker_reply(const std::vector<std::string>& f);
+
+// A setup travels in a sealed memfd (with SetupMessage), not in the message: a message is bounded
+// by the socket's send buffer (net.core.wmem_default, about 208 KiB), and a dataset's description
+// lists its files (tens of MB for a million of them). Throw SystemError.
+forkguard::detail::UniqueFd setup_memfd(const std::string& setup);
+std::string read_setup(int fd, size_t size);
 
 }  // namespace forkguard::data::detail
