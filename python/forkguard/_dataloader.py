@@ -194,6 +194,12 @@ class _Pass:
                 self._fg_discard = state["yielded"]
             self._num_yielded = state["yielded"]
 
+    def _drop_replayed(self, next_batch):
+        """An iterable resumed mid-pass: the batches before the state's are made and dropped."""
+        while self._fg_discard:
+            self._fg_discard -= 1
+            next_batch()
+
     def _end_pass(self, loader_stats, pids):
         if self._fg_done:
             return
@@ -233,9 +239,7 @@ class _SingleIter(_Pass, _torch_dl._SingleProcessDataLoaderIter):
 
     def _next_data(self):
         try:
-            while self._fg_discard:
-                self._fg_discard -= 1
-                super()._next_data()
+            self._drop_replayed(super()._next_data)
             data = super()._next_data()
         except StopIteration:
             self._end_pass(self._fg_stats, [])
@@ -427,8 +431,9 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
         self._task_info = {}  # job -> the sampler's index (or indices) it fetches
         self._begin_pass(loader)
         if not first_iter:
-            while self._queue.next(None) is not None:  # what the last pass left in flight
-                pass
+            # What the last pass left in flight is dropped; a worker that died meanwhile is not.
+            while (r := self._queue.next(None)) is not None:
+                self._check(r)
             self._queue.reactivate()
             resumed = set()
             request = pickle.dumps(("resume", self._shared_seed, self._fg_epoch))
@@ -471,9 +476,7 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
             raise RuntimeError(text)
 
     def _next_data(self):
-        while self._fg_discard:
-            self._fg_discard -= 1
-            self._next_batch()
+        self._drop_replayed(self._next_batch)
         data = self._next_batch()
         self._fg_batches += 1
         return data

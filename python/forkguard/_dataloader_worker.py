@@ -154,16 +154,10 @@ class Worker:
             np.random.seed(_torch_worker._generate_state(spec["base_seed"], worker_id))
         except ImportError:
             pass
-        dataset = spec["dataset"]
         self.shared_rng = torch.Generator()
-        if isinstance(dataset, IterDataPipe):
-            from torch.utils.data.graph_settings import apply_random_seed
-
-            self.shared_rng.manual_seed(spec["shared_seed"])
-            dataset = apply_random_seed(dataset, self.shared_rng)
-        self.dataset = dataset
+        self.dataset = self._seeded(spec["dataset"], spec["shared_seed"])
         _torch_worker._worker_info = _torch_worker.WorkerInfo(
-            id=worker_id, num_workers=spec["num_workers"], seed=seed, dataset=dataset)
+            id=worker_id, num_workers=spec["num_workers"], seed=seed, dataset=self.dataset)
         self.init_exception = None
         self.guard = None
         self.iteration_end = False
@@ -176,6 +170,15 @@ class Worker:
             self.init_exception = ExceptionWrapper(
                 where="in DataLoader worker process {}".format(worker_id))
         self.pending_cuda = self._cuda_after("worker_init_fn")
+
+    def _seeded(self, dataset, shared_seed):
+        """A DataPipe with its shuffling seeded for the pass (torch's worker does the same)."""
+        if not isinstance(dataset, IterDataPipe):
+            return dataset
+        from torch.utils.data.graph_settings import apply_random_seed
+
+        self.shared_rng.manual_seed(shared_seed)
+        return apply_random_seed(dataset, self.shared_rng)
 
     def _fetcher(self):
         self.fetcher, self.guard = fetcher(self.spec, self.dataset, self.epoch)
@@ -201,12 +204,8 @@ class Worker:
         if request[0] == "resume":
             self.iteration_end = False
             self.epoch = request[2]
-            if isinstance(self.dataset, IterDataPipe):
-                from torch.utils.data.graph_settings import apply_random_seed
-
-                self.shared_rng.manual_seed(request[1])
-                self.dataset = apply_random_seed(self.dataset, self.shared_rng)
-                _torch_worker._worker_info.__dict__["dataset"] = self.dataset
+            self.dataset = self._seeded(self.dataset, request[1])
+            _torch_worker._worker_info.__dict__["dataset"] = self.dataset
             if self.init_exception is None:
                 self._fetcher()
             return OK, _batch_codec.encode((None, None), slot.reserve), ""
