@@ -251,6 +251,22 @@ class _SingleIter(_Pass, _torch_dl._SingleProcessDataLoaderIter):
         return data
 
 
+def _pin_ordinal(device):
+    """The visible CUDA device whose driver page-locks the slots for pin_memory (torch's current
+    one unless `pin_memory_device` names one), or -1 where the pinning is another backend's (then
+    torch's pin_memory copies each batch, as it does for torch)."""
+    if device:
+        d = torch.device(device)
+        if d.type != "cuda":
+            return -1
+        if d.index is not None:
+            return d.index
+    try:
+        return torch.cuda.current_device()
+    except Exception:  # a PyTorch without CUDA told that it is available (a test driver)
+        return 0
+
+
 def _start_method(loader):
     """("fork" | "server", why): how this loader's workers start."""
     choice = loader.worker_start
@@ -380,6 +396,9 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
             worker_init_fn = functools.partial(_torch_dl._sharding_worker_init_fn,
                                                worker_init_fn, self._world_size, self._rank)
         start, self._why = _start_method(loader)
+        # pin_memory: the slots page-locked once, here, so the batches that view them are pinned
+        # as they are (torch's pin_memory returns a pinned tensor itself: no copy, no thread).
+        pin_device = _pin_ordinal(self._pin_memory_device) if self._pin_memory else -1
         spec = {
             "dataset_kind": self._dataset_kind, "dataset": self._dataset,
             "auto_collation": self._auto_collation, "collate_fn": self._collate_fn,
@@ -399,7 +418,8 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
             queue = _native._JobQueue(self._num_workers, self._prefetch_factor, "fork",
                                       _dataloader_worker.make(spec), None, None, "", b"", 0.0,
                                       1 << 20, "fg-dl-worker",
-                                      [server.sock.fileno()] if server is not None else [])
+                                      [server.sock.fileno()] if server is not None else [],
+                                      pin_device)
         else:
             from . import _launch
 
@@ -414,7 +434,7 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
             queue = _native._JobQueue(self._num_workers, self._prefetch_factor, "server", None,
                                       server_pid, _launch._server.sock.fileno(),
                                       "forkguard.dataloader_worker", setup, 0.0, 1 << 20,
-                                      "fg-dl-worker")
+                                      "fg-dl-worker", [], pin_device)
         self._queue = queue
         self._shutdown = False
         _live_iterators.add(self)

@@ -107,11 +107,12 @@ struct Queue {
   Queue(int workers, size_t prefetch, const std::string& start, py::object make_body,
         std::optional<int> server_pid, std::optional<int> server_sock, std::string function,
         py::bytes setup, double start_timeout, size_t slot_bytes, std::string name,
-        std::vector<int> close_in_child) {
+        std::vector<int> close_in_child, int pin_device) {
     fdd::JobOptions o;
     o.workers = workers;
     o.prefetch = prefetch;
     o.slot_bytes = slot_bytes;
+    o.pin_device = pin_device;
     o.name = std::move(name);
     o.start_timeout = std::chrono::milliseconds(static_cast<long long>(start_timeout * 1000));
     if (start == "server") {
@@ -214,11 +215,11 @@ void bind_dataloader(py::module_& m) {
   py::class_<Queue>(m, "_JobQueue")
       .def(py::init<int, size_t, const std::string&, py::object, std::optional<int>,
                     std::optional<int>, std::string, py::bytes, double, size_t, std::string,
-                    std::vector<int>>(),
+                    std::vector<int>, int>(),
            py::arg("workers"), py::arg("prefetch"), py::arg("start"), py::arg("make_body"),
            py::arg("server_pid"), py::arg("server_sock"), py::arg("function"), py::arg("setup"),
            py::arg("start_timeout"), py::arg("slot_bytes"), py::arg("name"),
-           py::arg("close_in_child") = std::vector<int>{})
+           py::arg("close_in_child") = std::vector<int>{}, py::arg("pin_device") = -1)
       .def("await_started", &Queue::await_started)
       .def("wants_job", [](const Queue& s) { return s.q->wants_job(); })
       .def("submit", &Queue::submit, py::arg("data"), py::arg("worker") = -1)

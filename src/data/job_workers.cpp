@@ -12,9 +12,11 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <variant>
 
+#include "cuda/host_pinning.hpp"
 #include "data/slot.hpp"
 #include "data/worker_protocol.hpp"
 #include "detail/fd.hpp"
@@ -214,7 +216,10 @@ class JobQueue::Impl : public JobSlot {
     }
   }
 
-  ~Impl() override { stop(false); }
+  ~Impl() override {
+    stop(false);
+    for (auto& s : slots_) unpin(*s);
+  }
 
   // JobSlot over the slot next_slot() handed out (the loader writes a job's input through it).
   std::byte* data() override { return slots_[static_cast<size_t>(current_)]->memory.data(); }
@@ -222,7 +227,7 @@ class JobQueue::Impl : public JobSlot {
   void reserve(size_t bytes) override {
     auto& s = *slots_[static_cast<size_t>(current_)];
     if (bytes <= s.memory.size()) return;
-    s.memory = grown(s.memory, bytes);
+    map(s, grown(s.memory, bytes));
     s.sent_bytes = 0;  // the worker gets the new one with the job
   }
 
@@ -386,7 +391,23 @@ class JobQueue::Impl : public JobSlot {
     int worker = 0;
     Mapping memory;
     size_t sent_bytes = 0;  // the size the worker maps (0: not sent)
+    bool pinned = false;
   };
+
+  // The slot's memory from now on (the old mapping unpinned before it goes); pinned if asked.
+  void map(SlotState& s, Mapping m) {
+    unpin(s);
+    s.memory = std::move(m);
+    if (o_.pin_device < 0) return;
+    if (!pinning_) pinning_.emplace(o_.pin_device);
+    pinning_->pin(s.memory.data(), s.memory.size());
+    s.pinned = true;
+  }
+  void unpin(SlotState& s) noexcept {
+    if (!s.pinned) return;
+    pinning_->unpin(s.memory.data());
+    s.pinned = false;
+  }
   struct Job {
     int worker = 0;
     int slot = 0;
@@ -504,7 +525,7 @@ class JobQueue::Impl : public JobSlot {
     }
     auto s = std::make_unique<SlotState>();
     s->worker = worker;
-    s->memory = create_shared(o_.slot_bytes, "forkguard-batch");
+    map(*s, create_shared(o_.slot_bytes, "forkguard-batch"));
     slots_.push_back(std::move(s));
     return static_cast<int>(slots_.size()) - 1;
   }
@@ -550,7 +571,7 @@ class JobQueue::Impl : public JobSlot {
         if (res && res->slot < static_cast<int>(slots_.size()) &&
             slots_[static_cast<size_t>(res->slot)]->worker == w && grown_fd) {
           auto& s = *slots_[static_cast<size_t>(res->slot)];
-          s.memory = Mapping(grown_fd.release(), res->slot_bytes);
+          map(s, Mapping(grown_fd.release(), res->slot_bytes));
           s.memory.close_fd();
           s.sent_bytes = s.memory.size();
         }
@@ -638,6 +659,7 @@ class JobQueue::Impl : public JobSlot {
 
   JobOptions o_;
   std::vector<Proc> procs_;
+  std::optional<cuda::HostPinning> pinning_;  // pin_device >= 0: made at the first slot
   std::vector<std::unique_ptr<SlotState>> slots_;
   std::map<uint64_t, Job> jobs_;     // submitted, not yet delivered, in job order
   std::map<uint64_t, Job> skipped_;  // skipped, not yet answered

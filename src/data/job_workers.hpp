@@ -110,7 +110,11 @@ struct JobOptions {
   std::string setup{};                         // the bytes every worker receives in its setup memfd
   std::chrono::milliseconds start_timeout{0};  // for "ready"; 0: as long as it takes
   size_t slot_bytes = 1 << 20;                 // a new slot's size
-  std::string name = "fg-job-worker";          // process name prefix (ps): name-W
+  // >= 0: every slot is page-locked in this process for that visible CUDA device, once, when it
+  // is mapped here (cuMemHostRegister, portable), and unregistered before it is unmapped; the
+  // driver is loaded and initialized here at the first slot (after the workers started).
+  int pin_device = -1;
+  std::string name = "fg-job-worker";  // process name prefix (ps): name-W
 };
 
 struct JobResult {

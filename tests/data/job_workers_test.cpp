@@ -1,9 +1,11 @@
 // data/job_workers: the loader core forkguard.DataLoader's Python workers run in, with a C++ body
 // here (forked workers: the same code path as the Python ones). Jobs round-robin in order,
 // results in job order, a result larger than its slot, a worker whose pass ends, one that dies,
-// a job that takes too long, a worker that cannot start; nothing left behind.
+// a job that takes too long, a worker that cannot start, slots page-locked for a GPU; nothing
+// left behind.
 #include "data/job_workers.hpp"
 
+#include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <unistd.h>
@@ -13,7 +15,9 @@
 #include <string>
 #include <thread>
 
+#include "forkguard/cuda/driver.hpp"
 #include "forkguard/data/error.hpp"
+#include "paths.hpp"
 #include "process.hpp"
 
 namespace fdd = forkguard::data::detail;
@@ -229,6 +233,49 @@ TEST_F(JobQueue, StoppedWorkersExitCleanlyAndAnotherQueueSeesEofToo) {
   }
   a.reset();
   b.stop();
+}
+
+// What the driver says of host memory: CU_POINTER_ATTRIBUTE_MEMORY_TYPE is CU_MEMORYTYPE_HOST.
+bool page_locked(const void* p) {
+  void* lib = ::dlopen(ft::kFakeCuda.c_str(), RTLD_NOW | RTLD_NOLOAD);
+  if (lib == nullptr) return false;
+  using Fn = int (*)(void*, int, unsigned long long);
+  auto fn = reinterpret_cast<Fn>(::dlsym(lib, "cuPointerGetAttribute"));
+  unsigned kind = 0;
+  const bool locked =
+      fn != nullptr && fn(&kind, 2, reinterpret_cast<uintptr_t>(p)) == 0 && kind == 1;
+  ::dlclose(lib);
+  return locked;
+}
+
+TEST_F(JobQueue, PinnedSlotsArePageLockedOnceAndUnregisteredBeforeTheyGo) {
+  ::setenv("FORKGUARD_CUDA_DRIVER", ft::kFakeCuda.c_str(), 1);
+  const auto& d = forkguard::cuda::Driver::load();
+  ASSERT_EQ(d.api().cuInit(0), forkguard::cuda::CUDA_SUCCESS);
+  fds_ = ft::open_fds();  // the driver's own (its device files) stay, as the real driver's do
+  auto o = options(1);
+  o.pin_device = 0;
+  const void* last = nullptr;
+  {
+    fdd::JobQueue q(o);
+    q.await_started();
+    // 4 KiB, then a result that grows the slot (the worker's new memfd, pinned in its stead)
+    for (size_t n : {100u, 1u << 20, 10u}) {
+      submit(q, "big " + std::to_string(n));
+      auto r = q.next(5s);
+      ASSERT_TRUE(r);
+      ASSERT_EQ(r->bytes, n);
+      EXPECT_TRUE(page_locked(q.slot_data(r->slot))) << n;
+      EXPECT_TRUE(page_locked(q.slot_data(r->slot) + n - 1)) << n;
+      last = q.slot_data(r->slot);
+      q.release(r->slot);
+    }
+    // The thread's own current context is left as it was (none here).
+    forkguard::cuda::CUcontext current = nullptr;
+    ASSERT_EQ(d.api().cuCtxGetCurrent(&current), forkguard::cuda::CUDA_SUCCESS);
+    EXPECT_EQ(current, nullptr);
+  }
+  EXPECT_FALSE(page_locked(last));  // unregistered with the queue
 }
 
 }  // namespace

@@ -12,6 +12,10 @@
 4. forkguard.DataLoader after this process initialized CUDA, over a Dataset whose __getitem__
    calls cuInit: the workers come from the clean fork server, every cuInit returns 0, one
    CudaInWorkerWarning names __getitem__; with cuda_in_workers="error", CudaInWorkerError does.
+5. forkguard.DataLoader(pin_memory=True): the driver says every batch's memory is page-locked
+   host memory (cuPointerGetAttribute), and the batch handed out is the slot itself: with a
+   PyTorch built with CUDA, Tensor.is_pinned() is True; with a CPU build (told that CUDA is
+   there), pin_memory() is never asked for a copy.
 Prints "python-gpu ok" or "python-gpu FAIL: ...". Needs PYTHONPATH=BUILD/python.
 Run: /usr/bin/python3 python_gpu_check.py"""
 import ctypes
@@ -145,6 +149,51 @@ def dataloader_check(failures):
             failures.append(f"CudaInWorkerError does not name __getitem__: {e}")
 
 
+class Floats:
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        import torch
+        return torch.full((1024,), float(i))
+
+
+def pin_memory_check(lib, failures):
+    import torch
+
+    lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+
+    def page_locked(t):
+        kind = ctypes.c_uint(0)
+        return lib.cuPointerGetAttribute(ctypes.byref(kind), 2, t.data_ptr()) == 0 \
+            and kind.value == 1  # CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_MEMORYTYPE_HOST
+
+    real = torch.cuda.is_available()
+    saved = torch.cuda.is_available, torch.Tensor.pin_memory
+    copied = []
+    if not real:
+        def pin_memory(self, device=None):
+            if not page_locked(self):
+                copied.append(self.numel())
+            return self
+        torch.cuda.is_available = lambda: True
+        torch.Tensor.pin_memory = pin_memory
+    try:
+        batches = list(forkguard.DataLoader(Floats(), batch_size=4, num_workers=2,
+                                            pin_memory=True))
+    finally:
+        torch.cuda.is_available, torch.Tensor.pin_memory = saved
+    locked = [page_locked(b) for b in batches]
+    print(f"  DataLoader pin_memory=True ({'CUDA' if real else 'CPU'} PyTorch): "
+          f"{sum(locked)} of {len(batches)} batches page-locked")
+    if not all(locked) or len(batches) != 4:
+        failures.append(f"DataLoader pin_memory: page-locked {locked}")
+    if real and not all(b.is_pinned() for b in batches):
+        failures.append("DataLoader pin_memory: Tensor.is_pinned() is False")
+    if copied:
+        failures.append(f"DataLoader pin_memory: {len(copied)} tensors were copied to be pinned")
+
+
 def main():
     failures = []
     lib = cuda()
@@ -169,6 +218,7 @@ def main():
     if ranks != [0, 0]:
         failures.append(f"notebook_launch ranks' cuInit returned {ranks}")
     dataloader_check(failures)
+    pin_memory_check(lib, failures)
     forkguard.stop_server()
     print("python-gpu ok" if not failures else "python-gpu FAIL: " + "; ".join(failures))
     return 1 if failures else 0

@@ -397,6 +397,31 @@ CUresult cuMemHostUnregister(void* p) {
   return done("cuMemHostUnregister", CUDA_SUCCESS);
 }
 
+// Only CU_POINTER_ATTRIBUTE_MEMORY_TYPE (2): CU_MEMORYTYPE_HOST (1) inside memory registered with
+// cuMemHostRegister, CU_MEMORYTYPE_DEVICE (2) inside an allocation; elsewhere, as the real driver
+// says of memory it does not know, CUDA_ERROR_INVALID_VALUE. (How PyTorch's Tensor.is_pinned()
+// asks, through the runtime's cudaPointerGetAttributes.)
+CUresult cuPointerGetAttribute(void* data, int attribute, CUdeviceptr ptr) {
+  FAKE_REQUIRE_INIT("cuPointerGetAttribute");
+  constexpr int kMemoryType = 2;
+  if (data == nullptr || attribute != kMemoryType) {
+    return done("cuPointerGetAttribute", CUDA_ERROR_INVALID_VALUE);
+  }
+  std::lock_guard lock(g_mutex);
+  const char* p = reinterpret_cast<const char*>(ptr);
+  for (const auto& [start, len] : g_registered) {
+    if (p >= start && p < start + len) {
+      *static_cast<unsigned int*>(data) = 1;
+      return done("cuPointerGetAttribute", CUDA_SUCCESS);
+    }
+  }
+  if (device_range_ok(ptr, 1)) {
+    *static_cast<unsigned int*>(data) = 2;
+    return done("cuPointerGetAttribute", CUDA_SUCCESS);
+  }
+  return done("cuPointerGetAttribute", CUDA_ERROR_INVALID_VALUE);
+}
+
 namespace {
 CUresult copy_htod(const char* fn, CUdeviceptr dst, const void* src, size_t bytes) {
   FAKE_REQUIRE_INIT(fn);
