@@ -58,7 +58,9 @@ class DataLoader(_TorchDataLoader[T_co]):
     bad_sample: "error" re-raises a sample's exception (torch's behaviour); "skip" replaces the
         sample by another, chosen deterministically, counted and said once per index.
 
-    Also: state_dict() / load_state_dict() (torchdata's StatefulDataLoader names) resume mid-epoch;
+    Also: state_dict() / load_state_dict() (torchdata's StatefulDataLoader names) resume mid-epoch
+    (an IterableDataset with its own state_dict/load_state_dict goes on from each worker's state;
+    one without is replayed up to there);
     set_epoch(e) numbers the next pass (for seed); `stats` has, per pass, the batches, the samples
     skipped, and the Pss of this process and of the workers.
     """
@@ -107,8 +109,12 @@ class DataLoader(_TorchDataLoader[T_co]):
         if it is None or it._fg_done:
             return {"epoch": self._next_epoch, "yielded": 0, "rng": _rng_state(self),
                     "base_seed": None}
-        return {"epoch": it._fg_epoch, "yielded": it._num_yielded, "rng": it._fg_rng,
-                "base_seed": it._base_seed}
+        state = {"epoch": it._fg_epoch, "yielded": it._num_yielded, "rng": it._fg_rng,
+                 "base_seed": it._base_seed}
+        if it._fg_stateful:  # an IterableDataset that says where it is: each worker's copy's
+            state.update(dataset_states=dict(it._fg_states), next_worker=it._fg_next_worker,
+                         num_workers=self.num_workers)
+        return state
 
     def load_state_dict(self, state):
         """The next pass resumes where `state` (from state_dict()) was taken."""
@@ -116,6 +122,11 @@ class DataLoader(_TorchDataLoader[T_co]):
             if key not in state:
                 raise ValueError(f"load_state_dict: the state has no {key!r} (keys: "
                                  f"{sorted(state)}): not a forkguard.DataLoader state")
+        if "dataset_states" in state and state["num_workers"] != self.num_workers:
+            raise ValueError(
+                f"load_state_dict: the state holds the IterableDataset states of "
+                f"{state['num_workers']} workers (each resumes its own copy's iteration) and "
+                f"this loader has num_workers={self.num_workers}: resume with as many workers")
         self._resume = dict(state)
         self._next_epoch = state["epoch"]
         if self._iterator is not None:  # persistent workers: the next pass restarts its iterator
@@ -182,8 +193,19 @@ class _Pass:
         self._fg_batches = 0
         self._fg_skipped = 0
         self._fg_discard = 0
+        # An IterableDataset with state_dict()/load_state_dict(): after each batch yielded, the
+        # state of the dataset copy that made it (by worker), and the worker the next one is
+        # asked of; a resumed pass starts there instead of replaying.
+        self._fg_stateful = _dataloader_worker.stateful(self._dataset_kind, self._dataset)
+        self._fg_states = {}
+        self._fg_next_worker = 0
+        self._fg_first_worker = -1
         loader._live = weakref.ref(self)
-        if state is not None and state["yielded"]:
+        if state is not None and self._fg_stateful and "dataset_states" in state:
+            self._fg_states = dict(state["dataset_states"])
+            self._fg_next_worker = self._fg_first_worker = state["next_worker"]
+            self._num_yielded = state["yielded"]
+        elif state is not None and state["yielded"]:
             if self._dataset_kind == _torch_dl._DatasetKind.Map:
                 for _ in range(state["yielded"]):  # the sampler's indices of what was yielded
                     try:
@@ -231,11 +253,18 @@ class _SingleIter(_Pass, _torch_dl._SingleProcessDataLoaderIter):
         spec = {"dataset_kind": self._dataset_kind, "seed": loader.seed,
                 "bad_sample": loader.bad_sample, "auto_collation": self._auto_collation,
                 "collate_fn": self._collate_fn, "drop_last": self._drop_last}
+        resumed = self._fg_states.get(0)
+        if resumed is not None:  # the dataset goes on from its state: its iterator made anew
+            self._dataset.load_state_dict(resumed)
         if spec["seed"] is not None or spec["bad_sample"] == "skip":
             self._dataset_fetcher, self._fg_guard = _dataloader_worker.fetcher(
                 spec, self._dataset, self._fg_epoch)
         else:
             self._fg_guard = None
+            if resumed is not None:
+                self._dataset_fetcher = _torch_dl._DatasetKind.create_fetcher(
+                    self._dataset_kind, self._dataset, self._auto_collation, self._collate_fn,
+                    self._drop_last)
 
     def _next_data(self):
         try:
@@ -244,6 +273,8 @@ class _SingleIter(_Pass, _torch_dl._SingleProcessDataLoaderIter):
         except StopIteration:
             self._end_pass(self._fg_stats, [])
             raise
+        if self._fg_stateful:
+            self._fg_states[0] = self._dataset.state_dict()
         self._fg_batches += 1
         if self._fg_guard is not None and self._fg_guard.skipped:
             self._fg_skipped += len(self._fg_guard.skipped)
@@ -406,6 +437,8 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
             "worker_init_fn": worker_init_fn, "num_workers": self._num_workers,
             "shared_seed": self._shared_seed, "seed": loader.seed, "epoch": epoch,
             "cuda_in_workers": loader.cuda_in_workers, "bad_sample": loader.bad_sample,
+            # a resumed IterableDataset: each worker's copy loads its own state first
+            "dataset_states": (loader._resume or {}).get("dataset_states"),
         }
         if start == "fork":
             # The dataset's objects out of the collector's reach: a forked worker's reference
@@ -473,7 +506,9 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
                 index = self._next_index()
             except StopIteration:
                 return
-            job, _ = self._queue.submit(pickle.dumps(("fetch", index), protocol=5))
+            job, _ = self._queue.submit(pickle.dumps(("fetch", index), protocol=5),
+                                        self._fg_first_worker)
+            self._fg_first_worker = -1  # then round-robin from there
             self._task_info[job] = index
 
     def _check(self, r):
@@ -519,6 +554,9 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
             del buf
             if meta is not None and "skipped" in meta:
                 self._fg_skipped += len(meta["skipped"])
+            if meta is not None and "state" in meta:
+                self._fg_states[worker] = meta["state"]
+            self._fg_next_worker = (worker + 1) % self._num_workers
             self._fill()
             if kind == _dataloader_worker.CUDA:
                 self._cuda_found(message.decode(errors="replace"))

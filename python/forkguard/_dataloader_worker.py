@@ -132,6 +132,12 @@ class StackBuffers:
         self.used = []
 
 
+def stateful(dataset_kind, dataset):
+    """An IterableDataset that can say where its iteration is and go on from there."""
+    return dataset_kind == _DatasetKind.Iterable and all(
+        callable(getattr(dataset, name, None)) for name in ("state_dict", "load_state_dict"))
+
+
 class Worker:
     """Called by the core for each job: (kind, bytes, message)."""
 
@@ -162,9 +168,13 @@ class Worker:
         self.guard = None
         self.iteration_end = False
         self.epoch = spec["epoch"]
+        self.stateful = stateful(spec["dataset_kind"], self.dataset)
         try:
             if spec["worker_init_fn"] is not None:
                 spec["worker_init_fn"](worker_id)
+            resumed = (spec.get("dataset_states") or {}).get(worker_id)
+            if self.stateful and resumed is not None:
+                self.dataset.load_state_dict(resumed)  # before its iterator is made
             self._fetcher()
         except Exception:
             self.init_exception = ExceptionWrapper(
@@ -217,6 +227,7 @@ class Worker:
         else:
             try:
                 data = self.fetcher.fetch(index)
+                state = self.dataset.state_dict() if self.stateful else None
             except StopIteration:
                 if self.spec["dataset_kind"] == _DatasetKind.Iterable:
                     self.iteration_end = True
@@ -237,6 +248,8 @@ class Worker:
         if self.guard is not None and self.guard.skipped:
             meta = {"skipped": self.guard.skipped}
             self.guard.skipped = []
+        if kind == OK and self.stateful:  # where this copy is once the batch is yielded
+            meta = dict(meta or {}, state=state)
         n = _batch_codec.encode((data, meta), slot.reserve, self.spec.get("by_value", False))
         self.stacks.recycle()  # the batch is in the slot: its buffers may take the next one
         if found is not None:

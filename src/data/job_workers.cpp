@@ -261,12 +261,12 @@ class JobQueue::Impl : public JobSlot {
         size_t w = (rr_ + k) % procs_.size();
         if (procs_[w].active && procs_[w].alive) {
           worker = static_cast<int>(w);
-          rr_ = w + 1;
           break;
         }
       }
       if (worker < 0) throw DataError("no active worker to give a job to");
     }
+    rr_ = static_cast<size_t>(worker) + 1;
     int id = acquire(worker);
     current_ = id;
     return {worker, id, this};

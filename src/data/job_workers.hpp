@@ -146,8 +146,9 @@ class JobQueue {
 
   // Another job may be submitted: fewer than prefetch x active workers are in flight.
   bool wants_job() const;
-  // The slot for the next job: of the next active worker in round-robin order, or of `worker`.
-  // Write the input at its start (grow it with reserve), then submit().
+  // The slot for the next job: of the next active worker in round-robin order, or of `worker`
+  // (the round-robin order then goes on after it). Write the input at its start (grow it with
+  // reserve), then submit().
   struct Next {
     int worker = -1;
     int slot = -1;

@@ -11,7 +11,9 @@ checks that nothing is left behind (processes tagged by this test's marker, /dev
   - transport: the batches view the worker's memfd slot, nothing goes through /dev/shm (even a
     small or read-only one, where torch's loader dies of a bus error);
   - determinism with seed= for any num_workers and worker_start;
-  - an IterableDataset sharded by get_worker_info() with persistent workers.
+  - pin_memory: slots page-locked once by the driver, the batch handed out is the slot;
+  - an IterableDataset sharded by get_worker_info() with persistent workers;
+  - resume from state_dict() mid-pass, map-style and iterable (stateful or replayed).
 """
 import json
 import os
@@ -980,3 +982,119 @@ def test_iterable_dataset_sharded_persistent_workers_each_element_once_per_epoch
         assert sorted(seen) == list(range(37)), seen
     assert r["pids"][0] == r["pids"][1] == r["pids"][2]  # the same workers, persistent
     assert r["workers"] == [] and r["children"] == []
+
+
+# --- 7. Resume --------------------------------------------------------------------------------
+
+RESUME = '''
+class Noisy(Dataset):
+    """Map-style with a random augmentation (seeded per sample by seed=)."""
+    def __len__(self):
+        return 26
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i), torch.rand(1).item()])
+
+
+class Replayed(IterableDataset):
+    """range(26) sharded by worker (9, 9, 8 elements for 3 workers: the last ends a batch early);
+    each element made is logged to made.log."""
+    def __init__(self):
+        self.pos = 0         # how many of this copy's elements the current pass made
+        self.resumed = None  # where a loaded state says the next pass goes on
+
+    def __iter__(self):
+        info = get_worker_info()
+        wid, nw = (0, 1) if info is None else (info.id, info.num_workers)
+        mine = range(wid, 26, nw)
+        self.pos, self.resumed = self.resumed or 0, None
+        for k in range(self.pos, len(mine)):
+            self.pos = k + 1
+            with open("made.log", "a") as f:
+                f.write(f"{mine[k]}\\n")
+            yield torch.tensor([float(mine[k]), 0.0])
+
+
+class Stateful(Replayed):
+    """The same, saying where its iteration is; __iter__ goes on from a loaded state."""
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.resumed = state["pos"]
+
+
+def made():
+    with open("made.log") as f:
+        return sorted(int(x) for x in f.read().split())
+
+
+def main(kind, num_workers, start):
+    num_workers = int(num_workers)
+
+    def make():
+        kw = {"worker_start": start} if num_workers else {}
+        return forkguard.DataLoader({"map": Noisy, "stateful": Stateful, "replayed": Replayed}[kind](),
+                                    batch_size=4, shuffle=kind == "map", num_workers=num_workers,
+                                    seed=7, generator=torch.Generator().manual_seed(3), **kw)
+
+    loader = make()
+    ref = [[b.tolist() for b in loader] for _ in range(2)]  # two passes, uninterrupted
+    out = {"batches": len(ref[0])}
+    for k in (1, 6, 7):
+        a = make()
+        it = iter(a)
+        first = [next(it).tolist() for _ in range(k)]
+        state = a.state_dict()
+        del it, a
+        gc.collect()
+        open("made.log", "w").close()
+        b = make()
+        b.load_state_dict(state)
+        rest = [x.tolist() for x in b]
+        remade = made() if kind != "map" else []
+        following = [x.tolist() for x in b]
+        out[str(k)] = {"first": first == ref[0][:k], "rest": rest == ref[0][k:],
+                  "following": following == ref[1],
+                  "remade_of_first": sorted({int(r[0]) for x in first for r in x} & set(remade))}
+    result(**out)
+
+
+main(*sys.argv[1:])
+'''
+
+
+@pytest.mark.parametrize("kind,num_workers,start", [
+    ("map", 0, ""), ("map", 2, "fork"), ("map", 2, "server"),
+    ("stateful", 0, ""), ("stateful", 3, "fork"), ("stateful", 3, "server"),
+    ("replayed", 3, "fork")])
+def test_resume_from_a_state_yields_what_an_uninterrupted_run_yields(script, kind, num_workers,
+                                                                     start):
+    # A state after batch k (1; 6; 7: the 3-worker iterable's last worker has ended by then);
+    # a new loader given it yields the rest of that pass and the next pass as an uninterrupted
+    # run does. An IterableDataset with state_dict/load_state_dict goes on from each worker's
+    # state (none of the first k batches' elements is made again); one without is replayed.
+    _, r = script(RESUME, args=[kind, num_workers, start])
+    assert r["batches"] == (7 if kind == "map" else 8 if num_workers == 3 else 7)
+    for k in ("1", "6", "7"):
+        assert (r[k]["first"], r[k]["rest"], r[k]["following"]) == (True, True, True), (k, r)
+        if kind == "stateful":
+            assert r[k]["remade_of_first"] == [], (k, r)
+        elif kind == "replayed":
+            assert r[k]["remade_of_first"] != [], (k, r)
+
+
+def test_a_state_of_other_worker_count_is_refused_for_a_stateful_iterable(script):
+    _, r = script(RESUME.replace("main(*sys.argv[1:])", """
+a = forkguard.DataLoader(Stateful(), batch_size=4, num_workers=3)
+it = iter(a)
+next(it)
+state = a.state_dict()
+del it, a
+try:
+    forkguard.DataLoader(Stateful(), batch_size=4, num_workers=2).load_state_dict(state)
+    result(error=None)
+except ValueError as e:
+    result(error=str(e))
+"""))
+    assert "states of 3 workers" in r["error"] and "num_workers=2" in r["error"], r
