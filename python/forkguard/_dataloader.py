@@ -56,7 +56,8 @@ class DataLoader(_TorchDataLoader[T_co]):
     seed: every sample's random state (Python's, numpy's, torch's) derives from (seed, epoch,
         index): the same batches for any num_workers and worker_start.
     bad_sample: "error" re-raises a sample's exception (torch's behaviour); "skip" replaces the
-        sample by another, chosen deterministically, counted and said once per index.
+        sample by another, chosen deterministically, counted and said once per index (an
+        IterableDataset's failing element is dropped, counted and said).
 
     Also: state_dict() / load_state_dict() (torchdata's StatefulDataLoader names) resume mid-epoch
     (an IterableDataset with its own state_dict/load_state_dict goes on from each worker's state;

@@ -18,7 +18,7 @@ import sys
 
 import torch
 from torch._utils import ExceptionWrapper
-from torch.utils.data import IterDataPipe, _DatasetKind
+from torch.utils.data import IterDataPipe, _DatasetKind, get_worker_info
 from torch.utils.data._utils import signal_handling
 from torch.utils.data._utils import worker as _torch_worker
 
@@ -92,13 +92,52 @@ class SampleGuard:
         return len(self.dataset)
 
 
+class IterGuard:
+    """An IterableDataset as DataLoader(bad_sample="skip") sees it: an element whose making
+    raises is dropped, said on stderr and recorded in `skipped` (position, None, reason), and the
+    iteration goes on where the iterator can (a generator that raised has ended: so has the
+    pass). MAX_SUBSTITUTES failures in a row end it with an error instead (an iterator that
+    fails at every step)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self.skipped = []
+
+    def __iter__(self):
+        info = get_worker_info()
+        who = "" if info is None else f" of worker {info.id}"
+        it = iter(self.dataset)
+        position, failed = 0, 0
+        while True:
+            try:
+                x = next(it)
+            except StopIteration:
+                return
+            except Exception as e:  # noqa: BLE001 - a bad element, under the skip policy
+                reason = f"{type(e).__name__}: {e}"
+                self.skipped.append((position, None, reason))
+                print(f"forkguard.DataLoader: element {position}{who} failed ({reason}); "
+                      "skipped (bad_sample='skip')", file=sys.stderr, flush=True)
+                position, failed = position + 1, failed + 1
+                if failed > MAX_SUBSTITUTES:
+                    raise RuntimeError(
+                        f"forkguard.DataLoader: {failed} elements in a row{who} failed "
+                        f"(bad_sample='skip'); the last: {reason}") from e
+                continue
+            position, failed = position + 1, 0
+            yield x
+
+
 def fetcher(spec, dataset, epoch):
     """torch's fetcher for the dataset (map-style ones through a SampleGuard when seed or
-    bad_sample asks for it); (fetcher, guard or None)."""
+    bad_sample asks for it, iterable ones through an IterGuard for bad_sample="skip");
+    (fetcher, guard or None)."""
     guard = None
     if spec["dataset_kind"] == _DatasetKind.Map and (spec["seed"] is not None or
                                                      spec["bad_sample"] == "skip"):
         dataset = guard = SampleGuard(dataset, spec["seed"], epoch, spec["bad_sample"])
+    elif spec["dataset_kind"] == _DatasetKind.Iterable and spec["bad_sample"] == "skip":
+        dataset = guard = IterGuard(dataset)
     return _DatasetKind.create_fetcher(spec["dataset_kind"], dataset, spec["auto_collation"],
                                        spec["collate_fn"], spec["drop_last"]), guard
 

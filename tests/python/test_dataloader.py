@@ -984,6 +984,57 @@ def test_iterable_dataset_sharded_persistent_workers_each_element_once_per_epoch
     assert r["workers"] == [] and r["children"] == []
 
 
+FLAKY = '''
+class Elements:
+    """An iterator over some numbers whose every element 3 mod 7 fails to be made."""
+    def __init__(self, items):
+        self.items, self.k = items, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.k == len(self.items):
+            raise StopIteration
+        x = self.items[self.k]
+        self.k += 1
+        if x % 7 == 3:
+            raise ValueError(f"element {x} is corrupt")
+        return x
+
+
+class Flaky(IterableDataset):
+    def __iter__(self):
+        info = get_worker_info()
+        wid, nw = (0, 1) if info is None else (info.id, info.num_workers)
+        return Elements(list(range(wid, 40, nw)))
+
+
+def main(num_workers, start):
+    num_workers = int(num_workers)
+    kw = {"worker_start": start} if num_workers else {}
+    loader = forkguard.DataLoader(Flaky(), batch_size=4, num_workers=num_workers,
+                                  bad_sample="skip", **kw)
+    got = sorted(x for b in loader for x in b.tolist())
+    result(got=got, skipped=loader.stats["epochs"][-1]["skipped"])
+
+
+main(*sys.argv[1:])
+'''
+
+
+@pytest.mark.parametrize("num_workers,start", [(0, ""), (2, "fork"), (2, "server")])
+def test_bad_sample_skip_drops_an_iterables_failing_elements_and_goes_on(script, num_workers,
+                                                                         start):
+    out, r = script(FLAKY, args=[num_workers, start])
+    bad = [x for x in range(40) if x % 7 == 3]
+    assert r["got"] == [x for x in range(40) if x not in bad]
+    assert r["skipped"] == len(bad)
+    for x in bad:
+        assert f"failed (ValueError: element {x} is corrupt); skipped (bad_sample='skip')" \
+            in out.stderr, out.stderr
+
+
 # --- 7. Resume --------------------------------------------------------------------------------
 
 RESUME = '''
