@@ -33,8 +33,7 @@ HostPinning::HostPinning(int ordinal) : driver_(Driver::load()) {
   int count = 0;
   driver_.check(api.cuDeviceGetCount(&count), "cuDeviceGetCount");
   if (ordinal < 0 || ordinal >= count) {
-    throw Error(fmt::format("pinning host memory: CUDA device {} does not exist ({} visible)",
-                            ordinal, count));
+    throw Error(fmt::format("CUDA device {} does not exist ({} visible)", ordinal, count));
   }
   driver_.check(api.cuDeviceGet(&device_, ordinal), "cuDeviceGet");
   driver_.check(api.cuDevicePrimaryCtxRetain(&context_, device_), "cuDevicePrimaryCtxRetain");

@@ -25,6 +25,9 @@ class HostPinning {
   void pin(void* p, size_t bytes);
   void unpin(void* p) noexcept;  // before the memory is unmapped
 
+  const Driver& driver() const { return driver_; }
+  CUcontext context() const { return context_; }  // the device's primary context
+
  private:
   class Current;
   const Driver& driver_;

@@ -1,23 +1,15 @@
 #include "data/device.hpp"
 
-#include <fmt/format.h>
-
 namespace forkguard::data::detail {
 
 DeviceStage::DeviceStage(int ordinal, size_t buffers, const SlotLayout& layout)
-    : driver_(cuda::Driver::load()), ordinal_(ordinal), layout_(layout) {
-  const auto& api = driver_.api();
-  driver_.check(api.cuInit(0), "cuInit");
-  int count = 0;
-  driver_.check(api.cuDeviceGetCount(&count), "cuDeviceGetCount");
-  if (ordinal < 0 || ordinal >= count) {
-    throw Error(fmt::format("loader device hand-off: CUDA device {} does not exist ({} visible)",
-                            ordinal, count));
-  }
-  driver_.check(api.cuDeviceGet(&device_, ordinal), "cuDeviceGet");
-  driver_.check(api.cuDevicePrimaryCtxRetain(&context_, device_), "cuDevicePrimaryCtxRetain");
+    : pinning_(ordinal),
+      driver_(pinning_.driver()),
+      ordinal_(ordinal),
+      layout_(layout),
+      context_(pinning_.context()) {
   bind();
-  driver_.check(api.cuStreamCreate(&stream_, kCuStreamNonBlocking), "cuStreamCreate");
+  driver_.check(driver_.api().cuStreamCreate(&stream_, kCuStreamNonBlocking), "cuStreamCreate");
   std::lock_guard lock(mutex_);
   for (size_t i = 0; i < buffers; ++i) create_buffer();
 }
@@ -35,8 +27,7 @@ DeviceStage::~DeviceStage() {
     api.cuMemFree_v2(b->labels);
   }
   api.cuStreamDestroy_v2(stream_);
-  api.cuDevicePrimaryCtxRelease_v2(device_);
-}
+}  // pinning_ releases the primary context
 
 void DeviceStage::bind() const {
   driver_.check(driver_.api().cuCtxSetCurrent(context_), "cuCtxSetCurrent");
@@ -55,17 +46,13 @@ int DeviceStage::create_buffer() {
 }
 
 void DeviceStage::pin(Slot& slot) {
-  bind();
-  driver_.check(driver_.api().cuMemHostRegister_v2(slot.memory.data(), slot.memory.size(), 0),
-                "cuMemHostRegister_v2");
+  pinning_.pin(slot.memory.data(), slot.memory.size());
   slot.pinned = true;
 }
 
 void DeviceStage::unpin(Slot& slot) noexcept {
   if (!slot.pinned) return;
-  if (driver_.api().cuCtxSetCurrent(context_) == CUDA_SUCCESS) {
-    driver_.api().cuMemHostUnregister(slot.memory.data());
-  }
+  pinning_.unpin(slot.memory.data());
   slot.pinned = false;
 }
 

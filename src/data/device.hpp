@@ -9,6 +9,7 @@
 #include <mutex>
 #include <vector>
 
+#include "cuda/host_pinning.hpp"
 #include "data/slot.hpp"
 #include "forkguard/cuda/driver.hpp"
 
@@ -21,7 +22,7 @@ inline constexpr uintptr_t kPerThreadStream = 0x2;  // CU_STREAM_PER_THREAD
 class DeviceStage {
  public:
   // Loads the driver, initializes it and retains the device's primary context. Throws
-  // cuda::LoadError / cuda::DriverError naming the call.
+  // cuda::LoadError / cuda::DriverError naming the call, Error for a device that does not exist.
   DeviceStage(int ordinal, size_t buffers, const SlotLayout& layout);
   ~DeviceStage();
   DeviceStage(const DeviceStage&) = delete;
@@ -63,10 +64,10 @@ class DeviceStage {
   // fails, waits for the stream (or the context) on the host. False when even that failed.
   bool guard(Buffer& b, const std::vector<uintptr_t>& users) noexcept;  // mutex_ held
 
+  cuda::HostPinning pinning_;  // first: the driver and the primary context, retained
   const cuda::Driver& driver_;
   int ordinal_;
   SlotLayout layout_;
-  CUdevice device_ = 0;
   CUcontext context_ = nullptr;
   CUstream stream_ = nullptr;
   mutable std::mutex mutex_;
