@@ -452,7 +452,7 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
             queue = _native._JobQueue(self._num_workers, self._prefetch_factor, "fork",
                                       _dataloader_worker.make(spec), None, None, "", b"", 0.0,
                                       1 << 20, "fg-dl-worker",
-                                      [server.sock.fileno()] if server is not None else [],
+                                      [server.fd()] if server is not None else [],
                                       pin_device)
         else:
             from . import _launch
@@ -466,7 +466,7 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
                 preload=_launch.default_preload() + ["cloudpickle", "forkguard._dataloader_worker"],
                 wait=True)
             queue = _native._JobQueue(self._num_workers, self._prefetch_factor, "server", None,
-                                      server_pid, _launch._server.sock.fileno(),
+                                      server_pid, _launch._server.fd(),
                                       "forkguard.dataloader_worker", setup, 0.0, 1 << 20,
                                       "fg-dl-worker", [], pin_device)
         self._queue = queue

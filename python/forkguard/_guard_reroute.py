@@ -13,7 +13,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import select
 import signal
 import sys
 import time
@@ -128,9 +127,8 @@ class ReroutedPopen:
             os.lseek(memfd, 0, os.SEEK_SET)  # the child reads from this fd's offset
             with _launch._lock:
                 server = _server()
-                _launch._wire.send(server.sock, ["guard_start", process_obj.name],
-                                   [memfd, sentinel_w, alive_r, 1, 2] + self._fds)
-                msg = server.recv(60.0)
+            msg = server.exchange(["guard_start", process_obj.name],
+                                  [memfd, sentinel_w, alive_r, 1, 2] + self._fds, 60.0)
             if msg is None or msg[0] != "guard_started":
                 raise Error(f"forkguard.guard(): the fork server could not start "
                             f"{process_obj.name}: {msg[1] if msg else 'no answer'}")
@@ -146,34 +144,29 @@ class ReroutedPopen:
         self.finalizer = util.Finalize(self, util.close_fds, (sentinel_r, alive_w))
 
     def _status(self, timeout: float) -> Optional[int]:
-        """The child's wait status from the server's exit report, waiting up to timeout.
-        A report read by notebook_launch's supervisor (a launch running meanwhile) is lost to
-        us: 5 s after the child's sentinel closed without one, its status is given as 255."""
+        """The child's wait status from the server's exit report, waiting up to timeout (the
+        report is claimed from the queue this process's attachments to the server share: a
+        launch or a DataLoader reading the socket meanwhile keeps it for us)."""
         deadline = time.monotonic() + timeout
         exited_at = None
         while True:
-            with _launch._lock:
-                server = _launch._server
-                if server is None:
-                    return None
-                if self.pid in server.exits:
-                    return server.exits.pop(self.pid)
-                try:
-                    server.recv(0)  # queues the exit reports that arrived
-                except (OSError, Error):
-                    return None
-                if self.pid in server.exits:
-                    return server.exits.pop(self.pid)
-                sock = server.sock
+            server = _launch._server
+            if server is None:
+                return None
+            try:
+                status = server.link.wait_exit(
+                    self.pid, min(max(0.0, deadline - time.monotonic()), 0.05))
+            except (OSError, Error, ValueError):
+                return None
+            if status is not None:
+                return status
             now = time.monotonic()
             if exited_at is None and connection.wait([self.sentinel], 0):
                 exited_at = now
             if exited_at is not None and now - exited_at > 5.0:
-                return 255 << 8
-            left = deadline - now
-            if left <= 0:
+                return 255 << 8  # the server died without a report: it took the child along
+            if now >= deadline:
                 return None
-            select.select([sock], [], [], min(left, 0.05))
 
     def _server_gone(self) -> bool:
         server = _launch._server

@@ -20,11 +20,10 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from . import _server as _wire
-from ._native import Error, _supervise_notebook
+from ._native import Error, _ServerLink, _supervise_notebook
 
 _lock = threading.RLock()
 _server: Optional["_Server"] = None
@@ -76,38 +75,37 @@ class _Server:
             [python, script, str(theirs.fileno()), json.dumps(self.preload), json.dumps(path)],
             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True)
         theirs.close()
-        self.sock = ours
         self.pid = self.proc.pid
+        # The socket's one reader in this process, shared with the DataLoaders and launches that
+        # attach to this server: every reply and exit report reaches whoever it is for.
+        try:
+            self.link = _ServerLink(self.pid, ours.fileno())
+        finally:
+            ours.close()
         self.owner = os.getpid()  # a fork of the owner holds a copy of this object, not the server
         self.ready = None  # the "ready" message's fields, once received
-        self.exits: Dict[int, int] = {}  # exit reports read here: forkguard.guard()'s children
+
+    def fd(self) -> int:
+        return self.link.fd()
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def recv(self, timeout: float):
-        """The next reply's fields (exit reports of earlier launches are skipped), or None."""
-        deadline = time.monotonic() + timeout
-        while True:
-            self.sock.settimeout(max(0.0, deadline - time.monotonic()))
-            try:
-                data = self.sock.recv(_wire._MAX_MESSAGE)
-            except (socket.timeout, BlockingIOError):
-                return None
-            finally:
-                self.sock.settimeout(None)
-            if not data:
-                raise Error(f"notebook_launch: the fork server (PID {self.pid}) exited "
-                            f"(status {self.proc.wait()})")
-            fields = _wire.decode(data)
-            if fields and fields[0] == "exit" and len(fields) == 3:
-                self.exits[int(fields[1])] = int(fields[2])  # claimed by _guard_reroute.py
-            elif fields:
-                return fields
+    def exchange(self, fields: Sequence[str], fds: Sequence[int] = (),
+                 timeout: Optional[float] = None):
+        """Sends a request (none when `fields` is empty) and returns its reply's fields, or None
+        when none came within `timeout` seconds."""
+        try:
+            return self.link.exchange(list(fields), list(fds), timeout)
+        except Error as e:
+            if self.alive() and "closed its socket" not in str(e):
+                raise
+            raise Error(f"notebook_launch: the fork server (PID {self.pid}) exited "
+                        f"(status {self.proc.wait()})") from None
 
     def wait_ready(self, timeout: float = 300.0):
         if self.ready is None:
-            msg = self.recv(timeout)
+            msg = self.exchange([], timeout=timeout)
             if msg is None or msg[0] != "ready":
                 raise Error(f"notebook_launch: the fork server (PID {self.pid}, {self.python}) "
                             f"did not start within {timeout:.0f} s")
@@ -120,15 +118,14 @@ class _Server:
     def ensure_preloaded(self, modules: Sequence[str]):
         missing = [m for m in modules if m not in self.preload]
         if missing:
-            _wire.send(self.sock, ["preload", json.dumps(missing)])
-            msg = self.recv(300.0)
+            msg = self.exchange(["preload", json.dumps(missing)], timeout=300.0)
             if msg is None or msg[0] != "preloaded":
                 raise Error("notebook_launch: the fork server did not answer a preload request")
             self.preload += missing
 
     def close(self):
         try:
-            self.sock.close()
+            self.link.close()
         finally:
             try:
                 self.proc.wait(timeout=10)
@@ -217,7 +214,7 @@ def notebook_launch(fn: Callable[..., Any], args: Sequence[Any] = (), nproc: int
         if preload:
             server.ensure_preloaded(preload)
         done = _supervise_notebook(
-            server_pid=server.pid, server_sock=server.sock.fileno(), payload=payload,
+            server_pid=server.pid, server_sock=server.fd(), payload=payload,
             nproc=nproc, args=[cwd, json.dumps(path)], bind_gpus=bind_gpus,
             max_restarts=max_restarts, master_addr=master_addr, master_port=master_port,
             env=dict(env or {}), grace=float(grace),

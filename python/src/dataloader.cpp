@@ -102,7 +102,7 @@ struct SlotBuffer {
 
 struct Queue {
   std::shared_ptr<fdd::JobQueue> q;
-  std::unique_ptr<forkguard::launch::detail::ForkServer> server;
+  std::shared_ptr<forkguard::launch::detail::ForkServer> server;
 
   Queue(int workers, size_t prefetch, const std::string& start, py::object make_body,
         std::optional<int> server_pid, std::optional<int> server_sock, std::string function,

@@ -24,6 +24,7 @@
 #include <cerrno>
 #include <chrono>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -139,9 +140,62 @@ py::dict supervise_notebook(int server_pid, int server_sock, const py::bytes& pa
   return out;
 }
 
+// forkguard._native._ServerLink: this process's one reader of the Python fork server's socket,
+// the object DataLoader and notebook_launch attach to as well (ForkServer::attach), so an exit
+// report or a reply is never read by one user and lost to another. The Python side sends its
+// own requests through it (exchange: the request and its reply under one lock) and claims the
+// exit reports of forkguard.guard()'s children (wait_exit).
+class ServerLink {
+ public:
+  ServerLink(pid_t pid, int sock) : server_(fl::detail::ForkServer::attach(pid, sock)) {}
+
+  int fd() const { return live().fd(); }
+
+  // The reply's fields, or None when none came within `timeout` seconds (None: no limit).
+  py::object exchange(const std::vector<std::string>& fields, const std::vector<int>& fds,
+                      std::optional<double> timeout) {
+    std::optional<std::chrono::milliseconds> limit;
+    if (timeout) limit = std::chrono::milliseconds(static_cast<long long>(*timeout * 1000));
+    std::optional<std::vector<std::string>> reply;
+    {
+      py::gil_scoped_release nogil;
+      reply = live().exchange(fields, fds, limit);
+    }
+    if (!reply) return py::none();
+    py::list out;
+    for (const auto& f : *reply) {
+      out.append(py::reinterpret_steal<py::str>(
+          PyUnicode_DecodeUTF8(f.data(), static_cast<Py_ssize_t>(f.size()), "surrogateescape")));
+    }
+    return out;
+  }
+
+  std::optional<int> wait_exit(pid_t pid, double timeout) {
+    py::gil_scoped_release nogil;
+    return live().wait_exit(pid, std::chrono::milliseconds(static_cast<long long>(timeout * 1000)));
+  }
+
+  // This link's share of the socket: the server sees EOF once every attachment let go.
+  void close() { server_.reset(); }
+
+ private:
+  fl::detail::ForkServer& live() const {
+    if (!server_) throw py::value_error("the fork server link is closed");
+    return *server_;
+  }
+  std::shared_ptr<fl::detail::ForkServer> server_;
+};
+
 }  // namespace
 
 void bind_notebook(py::module_& m) {
+  py::class_<ServerLink>(m, "_ServerLink")
+      .def(py::init<pid_t, int>(), py::arg("pid"), py::arg("sock"))
+      .def("fd", &ServerLink::fd)
+      .def("exchange", &ServerLink::exchange, py::arg("fields"),
+           py::arg("fds") = std::vector<int>{}, py::arg("timeout") = py::none())
+      .def("wait_exit", &ServerLink::wait_exit, py::arg("pid"), py::arg("timeout"))
+      .def("close", &ServerLink::close);
   m.def("_supervise_notebook", &supervise_notebook, py::arg("server_pid"), py::arg("server_sock"),
         py::arg("payload"), py::arg("nproc"), py::arg("args"), py::arg("bind_gpus"),
         py::arg("max_restarts"), py::arg("master_addr"), py::arg("master_port"), py::arg("env"),

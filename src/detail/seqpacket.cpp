@@ -43,8 +43,15 @@ bool send_message(int sock, const std::vector<std::string>& fields, const int* f
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds)] = {};
-  nfds = std::min(nfds, kMaxFds);
+  // Up to SCM_MAX_FD; kMaxFds of them without an allocation.
+  alignas(cmsghdr) char few[CMSG_SPACE(sizeof(int) * kMaxFds)] = {};
+  std::vector<cmsghdr> many;  // cmsghdr-aligned storage
+  char* control = few;
+  nfds = std::min(nfds, kMaxSendFds);
+  if (nfds > kMaxFds) {
+    many.resize(CMSG_SPACE(sizeof(int) * static_cast<size_t>(nfds)) / sizeof(cmsghdr) + 1);
+    control = reinterpret_cast<char*>(many.data());
+  }
   if (nfds > 0) {
     msg.msg_control = control;
     msg.msg_controllen = CMSG_SPACE(sizeof(int) * static_cast<size_t>(nfds));

@@ -8,7 +8,8 @@
 
 namespace forkguard::detail {
 
-inline constexpr int kMaxFds = 3;
+inline constexpr int kMaxFds = 3;        // received with a message
+inline constexpr int kMaxSendFds = 253;  // sent with one (SCM_MAX_FD)
 inline constexpr size_t kMaxMessage = 4 << 20;
 
 // Fields as (u32 length, bytes), concatenated.
@@ -16,6 +17,7 @@ std::string encode(const std::vector<std::string>& fields);
 std::vector<std::string> decode(const char* data, size_t len);
 
 // false when the peer is gone (EPIPE, ECONNRESET) or the message is too large; errno is set.
+// Up to kMaxSendFds fds travel with it.
 bool send_message(int sock, const std::vector<std::string>& fields, const int* fds = nullptr,
                   int nfds = 0);
 // false on EOF or error (errno set; 0 on EOF); EAGAIN with MSG_DONTWAIT and nothing pending.

@@ -18,6 +18,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <map>
+#include <memory>
 #include <optional>
 #include <variant>
 #include <vector>
@@ -231,11 +233,17 @@ void ForkServer::start() {
   });
 }
 
-std::unique_ptr<ForkServer> ForkServer::attach(pid_t pid, int sock) {
+std::shared_ptr<ForkServer> ForkServer::attach(pid_t pid, int sock) {
+  static std::mutex mutex;
+  static std::map<pid_t, std::weak_ptr<ForkServer>> attached;
+  std::lock_guard lock(mutex);
+  std::erase_if(attached, [](const auto& a) { return a.second.expired(); });
+  if (auto live = attached[pid].lock()) return live;
   int own = ::fcntl(sock, F_DUPFD_CLOEXEC, 3);
   if (own < 0) throw SystemError("fork server: dup of the attached socket", errno);
-  std::unique_ptr<ForkServer> s(new ForkServer(pid, own));
+  std::shared_ptr<ForkServer> s(new ForkServer(pid, own));
   s->attached_ = true;
+  attached[pid] = s;
   return s;
 }
 
@@ -287,9 +295,43 @@ bool ForkServer::read_one(bool block) {
     exits_.emplace_back(exit->pid, exit->status);
   } else {
     reply_ = std::move(reply);
+    reply_fields_ = std::move(f);
     have_reply_ = true;
   }
   return true;
+}
+
+std::optional<std::vector<std::string>> ForkServer::exchange(
+    const std::vector<std::string>& fields, const std::vector<int>& fds,
+    std::optional<std::chrono::milliseconds> timeout) {
+  const auto deadline =
+      timeout ? std::optional(std::chrono::steady_clock::now() + *timeout) : std::nullopt;
+  std::lock_guard lock(mutex_);  // the reply is this request's: no other request in between
+  const auto closed = [&] {
+    return SpawnError(fmt::format("the fork server (PID {}) closed its socket", pid_));
+  };
+  have_reply_ = false;
+  if (!fields.empty() &&
+      !send_message(sock_.get(), fields, fds.data(), static_cast<int>(fds.size()))) {
+    if (errno == EPIPE || errno == ECONNRESET) throw closed();
+    throw SystemError(fmt::format("fork server (PID {}): sending a request", pid_), errno);
+  }
+  while (!have_reply_) {
+    int wait_ms = -1;
+    if (deadline) {
+      wait_ms = static_cast<int>(std::max<long>(0, std::chrono::ceil<std::chrono::milliseconds>(
+                                                       *deadline - std::chrono::steady_clock::now())
+                                                       .count()));
+    }
+    pollfd p{sock_.get(), POLLIN, 0};
+    const int r = ::poll(&p, 1, wait_ms);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) throw SystemError("poll on the fork server's socket", errno);
+    if (r == 0) return std::nullopt;
+    if (!read_one(false) && errno != EAGAIN) throw closed();
+  }
+  have_reply_ = false;
+  return std::move(reply_fields_);
 }
 
 std::vector<std::pair<pid_t, int>> ForkServer::take_exits(const std::function<bool(pid_t)>& mine) {

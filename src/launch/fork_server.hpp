@@ -31,8 +31,11 @@ class ForkServer {
   static void start();
   // A fork server someone else started that speaks the same protocol (notebook_launch's Python
   // interpreter server, python/forkguard/_server.py): `sock` is duplicated, the caller keeps its
-  // own. A dead one is not replaced: a request then throws SpawnError.
-  static std::unique_ptr<ForkServer> attach(pid_t pid, int sock);
+  // own. One object per server in this process, shared by whoever attaches while it lives (a
+  // DataLoader, notebook_launch, forkguard.guard()): the socket has one reader, so an exit
+  // report or a reply is never taken by one user from another. A dead one is not replaced: a
+  // request then throws SpawnError.
+  static std::shared_ptr<ForkServer> attach(pid_t pid, int sock);
 
   // Asks the zygote to fork a rank running `entry`, or to fork+exec argv; `env` is the complete
   // environment ("K=V"). Returns the rank's PID; throws SpawnError with the zygote's reason.
@@ -55,6 +58,15 @@ class ForkServer {
   // Waits up to `timeout` for the exit report of `pid`; its wait status, or nullopt.
   std::optional<int> wait_exit(pid_t pid, std::chrono::milliseconds timeout);
 
+  // Any request of the server's protocol (the Python server's "preload", "guard_start" with up to
+  // kMaxSendFds fds) and the fields of the next message that is not an exit report (those are
+  // queued meanwhile); nullopt when none came within `timeout` (none: as long as it takes). An
+  // empty `fields` sends nothing and only waits (the server's "ready"). Throws SpawnError once
+  // the server closed its socket.
+  std::optional<std::vector<std::string>> exchange(
+      const std::vector<std::string>& fields, const std::vector<int>& fds,
+      std::optional<std::chrono::milliseconds> timeout);
+
  private:
   ForkServer(pid_t pid, int sock) : pid_(pid), sock_(sock) {}
   pid_t request(const std::vector<std::string>& fields, int stdout_fd, int stderr_fd,
@@ -70,6 +82,7 @@ class ForkServer {
   std::mutex mutex_;
   std::vector<std::pair<pid_t, int>> exits_;
   ZygoteReply reply_;
+  std::vector<std::string> reply_fields_;  // the same reply as it came
   bool have_reply_ = false;
 };
 

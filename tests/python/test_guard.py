@@ -234,6 +234,63 @@ def test_reroute_exit_codes_terminate_kill_and_sentinel(script):
     assert "ValueError: boom in the child" in out.stderr
 
 
+def test_exit_reports_reach_their_owner_whoever_reads_the_servers_socket(script):
+    # The interpreter fork server reports every child's exit on its one socket. A rerouted
+    # Process, a DataLoader's server workers and a notebook_launch share it: a launch reading
+    # the socket meanwhile must not swallow the others' reports (they were lost: the Process's
+    # exit code became 255 after 5 s, the killed worker's death "unknown" after 2 s).
+    out = script("""
+        import signal, time
+        import torch
+        from torch.utils.data import Dataset
+
+        def code():
+            sys.exit(7)
+
+        def rank():
+            import time
+            time.sleep(1.0)
+            return 1
+
+        class Items(Dataset):
+            def __len__(self):
+                return 64
+
+            def __getitem__(self, i):
+                return i
+
+        if __name__ == "__main__":
+            cuinit()
+            forkguard.guard()
+            loader = forkguard.DataLoader(Items(), batch_size=4, num_workers=2,
+                                          persistent_workers=True)
+            it = iter(loader)
+            next(it)
+            victim = loader._iterator._workers[1].pid
+            p = mp.Process(target=code)
+            p.start()
+            os.kill(victim, signal.SIGKILL)
+            while os.path.exists(f"/proc/{victim}"):  # reaped by the server: reported
+                time.sleep(0.01)
+            while os.path.exists(f"/proc/{p.pid}"):
+                time.sleep(0.01)
+            print("ranks", forkguard.notebook_launch(rank, nproc=2))  # reads the socket
+            t0 = time.monotonic()
+            p.join(30)
+            print("exitcode", p.exitcode, "after", round(time.monotonic() - t0, 1))
+            t0 = time.monotonic()
+            try:
+                for _ in it:
+                    pass
+            except RuntimeError as e:
+                print("loader:", e, "after", round(time.monotonic() - t0, 1))
+    """)
+    assert "ranks [1, 1]" in out.stdout
+    assert "exitcode 7 after 0.0" in out.stdout, out.stdout + out.stderr
+    assert "is killed by signal: Killed" in out.stdout and "after 0.0" in \
+        out.stdout.split("loader:")[1], out.stdout + out.stderr
+
+
 def test_reroute_process_pool_executor_fork_context(script):
     out = script("""
         import concurrent.futures
