@@ -1,5 +1,6 @@
 """Shared fixtures: the build tree (FORKGUARD_BUILD_DIR, set by ctest), the test driver, and a
-small ImageFolder of JPEGs and PNGs made with Pillow."""
+small ImageFolder of JPEGs and PNGs made with Pillow; and the helpers that check nothing is left
+behind (processes carrying a test's marker, the fork server's children, this process's fds)."""
 import os
 import pathlib
 import random
@@ -64,3 +65,47 @@ def images(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def bad_images(tmp_path_factory) -> pathlib.Path:
     return make_images(tmp_path_factory.mktemp("bad_images"), corrupt=True)
+
+
+def marked_pids(marker: str):
+    """PIDs of live processes whose environment carries `marker` (a "NAME=VALUE" entry); zombies
+    count as gone (gVisor's PID 1 reaps orphans late)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in env and state != "Z":
+            found.append(int(pid))
+    return found
+
+
+def server_children():
+    """The PIDs of the interpreter fork server's children (notebook_launch's ranks...)."""
+    import forkguard
+
+    srv = forkguard._launch._server
+    if srv is None or not srv.alive():
+        return []
+    kids = []
+    for tid in os.listdir(f"/proc/{srv.pid}/task"):
+        with open(f"/proc/{srv.pid}/task/{tid}/children") as f:
+            kids += f.read().split()
+    return kids
+
+
+def open_fds():
+    """{fd: what it refers to} of this process."""
+    fds = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:  # the listing's own
+            pass
+    return fds

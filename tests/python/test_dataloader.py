@@ -26,6 +26,7 @@ import time
 import uuid
 
 import pytest
+from conftest import marked_pids
 
 import forkguard
 
@@ -148,24 +149,6 @@ def _shm():
     return set(os.listdir("/dev/shm"))
 
 
-def _marked(marker):
-    """PIDs of live processes whose environment carries this test's marker."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = f.read()
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if f"FORKGUARD_DL_TEST={marker}".encode() in env and state != "Z":
-            found.append(int(pid))
-    return found
-
-
 def _package_parent():
     return os.path.dirname(os.path.dirname(os.path.abspath(forkguard.__file__)))
 
@@ -177,9 +160,9 @@ def _leftover_shm(before, prefixes=("sem.", "torch_", "forkguard", "fg")):
 def _no_process_left(marker):
     # The fork server exits once its caller has: wait on that event, bounded.
     deadline = time.monotonic() + 30
-    while _marked(marker) and time.monotonic() < deadline:
+    while marked_pids(f"FORKGUARD_DL_TEST={marker}") and time.monotonic() < deadline:
         time.sleep(0.05)
-    return _marked(marker)
+    return marked_pids(f"FORKGUARD_DL_TEST={marker}")
 
 
 _PRIVATE_SHM = {}

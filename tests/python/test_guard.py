@@ -12,6 +12,7 @@ import time
 import uuid
 
 import pytest
+from conftest import marked_pids
 
 import forkguard
 
@@ -33,24 +34,6 @@ def children():
 
 def _shm():
     return set(os.listdir("/dev/shm"))
-
-
-def _marked(marker):
-    """PIDs of live processes whose environment carries this test's marker."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = f.read()
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if marker.encode() in env and state != "Z":  # zombies count as gone (gVisor reaps late)
-            found.append(int(pid))
-    return found
 
 
 @pytest.fixture()
@@ -75,9 +58,9 @@ def script(fake_cuda_env, tmp_path):
     yield run
     # The fork server exits once its caller has: wait on that event, bounded.
     deadline = time.monotonic() + 30
-    while _marked(marker.split("=")[1]) and time.monotonic() < deadline:
+    while marked_pids(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _marked(marker.split("=")[1]) == []
+    assert marked_pids(marker) == []
     assert {f for f in _shm() - shm_before if f.startswith(("sem.", "torch_"))} == set()
 
 
@@ -480,9 +463,9 @@ def test_notebook_start_processes_fork_after_cuinit_rerouted(fake_cuda_env, tmp_
     assert "results: [(0, 0, [0, 0]), (1, 0, [1, 1])] shared: [100.0, 101.0]" in c2, c2
     assert "clean interpreter fork server" in c2
     deadline = time.monotonic() + 30
-    while _marked(marker) and time.monotonic() < deadline:
+    while marked_pids(f"FORKGUARD_GUARD_TEST={marker}") and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _marked(marker) == []
+    assert marked_pids(f"FORKGUARD_GUARD_TEST={marker}") == []
     assert {f for f in _shm() - shm_before if f.startswith(("sem.", "torch_"))} == set()
 
 

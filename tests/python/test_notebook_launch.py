@@ -8,19 +8,9 @@ import threading
 import time
 
 import pytest
+from conftest import server_children
 
 import forkguard
-
-
-def server_children():
-    srv = forkguard._launch._server
-    if srv is None or not srv.alive():
-        return []
-    kids = []
-    for tid in os.listdir(f"/proc/{srv.pid}/task"):
-        with open(f"/proc/{srv.pid}/task/{tid}/children") as f:
-            kids += f.read().split()
-    return kids
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -6,33 +6,13 @@ import os
 import socket
 
 import pytest
+from conftest import open_fds, server_children
 
 import forkguard
 
 ENV_KEYS = ["RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
             "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "ACCELERATE_MIXED_PRECISION", "NPROC",
             "NODE_RANK", "FORK_LAUNCHED"]
-
-
-def server_children():
-    srv = forkguard._launch._server
-    if srv is None or not srv.alive():
-        return []
-    kids = []
-    for tid in os.listdir(f"/proc/{srv.pid}/task"):
-        with open(f"/proc/{srv.pid}/task/{tid}/children") as f:
-            kids += f.read().split()
-    return kids
-
-
-def open_fds():
-    fds = {}
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
-        except FileNotFoundError:  # the listing's own
-            pass
-    return fds
 
 
 @pytest.fixture(scope="module", autouse=True)
