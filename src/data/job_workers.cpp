@@ -19,6 +19,7 @@
 #include "cuda/host_pinning.hpp"
 #include "data/slot.hpp"
 #include "data/worker_protocol.hpp"
+#include "detail/deadline.hpp"
 #include "detail/fd.hpp"
 #include "detail/seqpacket.hpp"
 #include "forkguard/data/error.hpp"
@@ -80,13 +81,6 @@ template <class M>
 bool send(int sock, const M& m, int fd = -1) {
   return send_message(sock, forkguard::detail::encode_message(m), fd >= 0 ? &fd : nullptr,
                       fd >= 0 ? 1 : 0);
-}
-
-// poll()'s timeout until `deadline` (rounded up: never early), or -1 without one.
-int poll_ms(std::optional<Clock::time_point> deadline) {
-  if (!deadline) return -1;
-  return static_cast<int>(std::max<long>(
-      0, std::chrono::ceil<std::chrono::milliseconds>(*deadline - Clock::now()).count()));
 }
 
 // ------------------------------------------------------------------ the worker's side
@@ -486,7 +480,7 @@ class JobQueue::Impl : public JobSlot {
     pollfd q{p.sock.get(), POLLIN, 0};
     int r;
     do {
-      r = ::poll(&q, 1, poll_ms(deadline));
+      r = ::poll(&q, 1, forkguard::detail::poll_ms(deadline));
     } while (r < 0 && errno == EINTR);
     if (r == 0) {
       return fmt::format("it did not say ready within {} ms", o_.start_timeout.count());
@@ -548,7 +542,7 @@ class JobQueue::Impl : public JobSlot {
           who.push_back(static_cast<int>(w));
         }
       }
-      int r = ::poll(fds.data(), fds.size(), poll_ms(deadline));
+      int r = ::poll(fds.data(), fds.size(), forkguard::detail::poll_ms(deadline));
       if (r < 0 && errno == EINTR) continue;
       if (r < 0) throw SystemError("poll on the workers", errno);
       if (r == 0) return {.timeout = true};

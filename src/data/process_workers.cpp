@@ -30,6 +30,7 @@
 
 #include "data/worker_protocol.hpp"
 #include "data/workers.hpp"
+#include "detail/deadline.hpp"
 #include "detail/seqpacket.hpp"
 #include "forkguard/data/error.hpp"
 #include "forkguard/launch/exit_status.hpp"
@@ -320,12 +321,7 @@ class ProcessWorkers : public Workers {
         }
       }
       if (fds.empty()) return std::nullopt;
-      int timeout = -1;
-      if (deadline) {
-        auto left = std::chrono::ceil<std::chrono::milliseconds>(*deadline - Clock::now());
-        timeout = static_cast<int>(std::max<long>(0, left.count()));
-      }
-      int r = ::poll(fds.data(), fds.size(), timeout);
+      int r = ::poll(fds.data(), fds.size(), forkguard::detail::poll_ms(deadline));
       if (r < 0 && errno == EINTR) continue;
       if (r == 0) return std::nullopt;
       for (size_t k = 0; k < fds.size(); ++k) {
@@ -485,8 +481,7 @@ class ProcessWorkers : public Workers {
       pollfd q{p.sock.get(), POLLIN, 0};
       int r;
       do {
-        auto left = std::chrono::ceil<std::chrono::milliseconds>(*deadline - Clock::now());
-        r = ::poll(&q, 1, static_cast<int>(std::max<long>(0, left.count())));
+        r = ::poll(&q, 1, forkguard::detail::poll_ms(deadline));
       } while (r < 0 && errno == EINTR);
       if (r == 0) {
         return fmt::format(

@@ -24,6 +24,7 @@
 #include <variant>
 #include <vector>
 
+#include "detail/deadline.hpp"
 #include "detail/registry.hpp"
 #include "detail/seqpacket.hpp"
 
@@ -317,14 +318,8 @@ std::optional<std::vector<std::string>> ForkServer::exchange(
     throw SystemError(fmt::format("fork server (PID {}): sending a request", pid_), errno);
   }
   while (!have_reply_) {
-    int wait_ms = -1;
-    if (deadline) {
-      wait_ms = static_cast<int>(std::max<long>(0, std::chrono::ceil<std::chrono::milliseconds>(
-                                                       *deadline - std::chrono::steady_clock::now())
-                                                       .count()));
-    }
     pollfd p{sock_.get(), POLLIN, 0};
-    const int r = ::poll(&p, 1, wait_ms);
+    const int r = ::poll(&p, 1, forkguard::detail::poll_ms(deadline));
     if (r < 0 && errno == EINTR) continue;
     if (r < 0) throw SystemError("poll on the fork server's socket", errno);
     if (r == 0) return std::nullopt;
