@@ -393,8 +393,15 @@ class JobQueue::Impl : public JobSlot {
     unpin(s);
     s.memory = std::move(m);
     if (o_.pin_device < 0) return;
-    if (!pinning_) pinning_.emplace(o_.pin_device);
-    pinning_->pin(s.memory.data(), s.memory.size());
+    try {
+      if (!pinning_) pinning_.emplace(o_.pin_device);
+      pinning_->pin(s.memory.data(), s.memory.size());
+    } catch (const Error& e) {
+      throw Error(
+          fmt::format("pin_memory: cannot page-lock a batch slot of worker {} ({} bytes) "
+                      "for CUDA device {}: {}",
+                      s.worker, s.memory.size(), o_.pin_device, e.what()));
+    }
     s.pinned = true;
   }
   void unpin(SlotState& s) noexcept {

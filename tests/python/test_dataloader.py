@@ -861,6 +861,39 @@ def test_pin_memory_page_locks_each_slot_once_and_hands_out_the_slot_itself(scri
     assert r["initialized"] == 1
 
 
+PIN_FAILS = '''
+class Rows(Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return torch.full((8,), float(i))
+
+
+torch.cuda.is_available = lambda: True  # as in PINNED: a PyTorch with CUDA, as far as asked
+try:
+    for b in forkguard.DataLoader(Rows(), batch_size=4, num_workers=2, pin_memory=True,
+                                  pin_memory_device="cuda:5", worker_start=sys.argv[1]):
+        pass
+    result(error=None)
+except Exception as e:
+    result(error=f"{type(e).__name__}: {e}")
+gc.collect()
+result(workers=wait_for(lambda: not workers()) and workers(), children=children())
+'''
+
+
+@pytest.mark.parametrize("start", STARTS)
+def test_pin_memory_for_a_device_that_does_not_exist_is_an_error_naming_it(script, start):
+    out, _ = script(PIN_FAILS, args=[start])
+    first, last = [json.loads(line[len("RESULT "):]) for line in out.stdout.splitlines()
+                   if line.startswith("RESULT ")]
+    assert first["error"].startswith("Error: pin_memory: cannot page-lock a batch slot of "
+                                     "worker 0"), first
+    assert "for CUDA device 5: CUDA device 5 does not exist (2 visible)" in first["error"], first
+    assert last["workers"] == [] and last["children"] == []
+
+
 @pytest.mark.parametrize("start", STARTS)
 def test_pin_memory_without_cuda_changes_nothing_and_leaves_the_driver_alone(script, start):
     _, r = script(PINNED, args=[start, "cpu"])
