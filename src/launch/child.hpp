@@ -8,8 +8,8 @@
 //   Child c = start_child({.exec = &exec, .stdout_fd = pipe_w, .reap_tree = true});
 //   ExitStatus s = c.wait();   // or let it go: the destructor applies c's stop policy
 //
-// With `reap_tree`, the child is a tiny subreaper ("fg-reaper" in ps) that forks the real program,
-// mirrors its exit status, and kills every descendant that is left when the program exits or when
+// With `reap_tree`, the child is a tiny subreaper ("fg-reaper" in ps) that starts the real program
+// (vfork and exec, as posix_spawn; a fork for a main function), mirrors its exit status, and kills every descendant that is left when the program exits or when
 // the reaper's parent dies (kill -9 included), setsid()'d ones too.
 //
 // Thread-safety: start_child may be called from any thread; a Child has one owner. The

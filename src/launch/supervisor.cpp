@@ -63,11 +63,12 @@ void signal_group(Rank& r, int sig) {
 
 class Attempt {
  public:
-  Attempt(const Options& o, const Job& job, const Placement& place, const GpuPlan& gpus,
-          StartMethod method, int restart, SignalCapture* signals,
+  Attempt(const Options& o, const Job& job, const EnvMap& base_env, const Placement& place,
+          const GpuPlan& gpus, StartMethod method, int restart, SignalCapture* signals,
           const std::function<int()>& interrupted, OutputSink& sink)
       : o_(o),
         job_(job),
+        base_env_(base_env),
         place_(place),
         gpus_(gpus),
         method_(method),
@@ -108,7 +109,7 @@ class Attempt {
  private:
   EnvMap environment_for(int local_rank) {
     EnvMap env =
-        rank_process_environment(current_environment(), place_, local_rank, restart_, o_,
+        rank_process_environment(base_env_, place_, local_rank, restart_, o_,
                                  gpus_.rank_visible_devices[static_cast<size_t>(local_rank)]);
     if (job_.is_entry() && method_ == StartMethod::kSpawn) env[detail::kEntryVariable] = job_.entry;
     return env;
@@ -374,6 +375,7 @@ class Attempt {
 
   const Options& o_;
   const Job& job_;
+  const EnvMap& base_env_;  // this process's environment, read once
   const Placement& place_;
   const GpuPlan& gpus_;
   StartMethod method_;
@@ -422,6 +424,7 @@ Result supervise(const Options& options, const Job& job, const Supervision& how)
           fmt::format("log.console_ranks: {} is not a local rank (0 to {})", r, o.nproc - 1));
     }
   }
+  const EnvMap base_env = current_environment();
   if (job.is_entry() && job.server != nullptr) {
     // An attached server's entries are registered there, not here.
   } else if (job.is_entry()) {
@@ -429,11 +432,11 @@ Result supervise(const Options& options, const Job& job, const Supervision& how)
   } else if (job.argv.empty()) {
     throw Error("no command to run");
   } else {
-    EnvMap env = current_environment();
+    EnvMap env = base_env;
     for (const auto& [k, v] : o.env) env[k] = v;
     detail::check_executable(job.argv[0], env);
   }
-  auto place = resolve_placement(o.nodes, o.nproc, current_environment());
+  auto place = resolve_placement(o.nodes, o.nproc, base_env);
   check_master_addr(place);
   GpuPlan gpus;
   if (o.gpus.bind) {
@@ -458,7 +461,7 @@ Result supervise(const Options& options, const Job& job, const Supervision& how)
   if (!how.interrupted) signals.emplace(std::initializer_list<int>{SIGINT, SIGTERM, SIGHUP});
   Result result;
   for (int restart = 0;; ++restart) {
-    Attempt attempt(o, job, place, gpus, method, restart, signals ? &*signals : nullptr,
+    Attempt attempt(o, job, base_env, place, gpus, method, restart, signals ? &*signals : nullptr,
                     how.interrupted, sink);
     result = attempt.run();
     result.restarts = restart;

@@ -230,6 +230,26 @@ TEST(BenchCli, OtherCountsAreUsageErrorsWithAShortMessage) {
       << r.err;
 }
 
+// `forkguard bench` is the program forkguard-bench beside forkguard: flags and exit codes pass
+// through both ways, and a forkguard without it says what is missing, where.
+TEST(BenchCli, RunsForkguardBenchFromBesideForkguard) {
+  auto help = ft::run({ft::kForkguard, "bench", "loader", "--help"});
+  EXPECT_EQ(help.exit_code, 0) << help.err;
+  EXPECT_NE(help.out.find("Usage: forkguard bench loader"), std::string::npos) << help.out;
+  EXPECT_NE(help.out.find("--worker-kind"), std::string::npos) << help.out;
+  auto none = ft::run({ft::kForkguard, "bench"});
+  EXPECT_EQ(none.exit_code, 2) << none.err;
+
+  ft::TempDir dir;
+  const std::string alone = dir.path() + "/forkguard";
+  fs::copy_file(ft::kForkguard, alone);
+  auto r = ft::run({alone, "bench", "loader", "--data", "/nowhere"});
+  EXPECT_EQ(r.exit_code, 127) << r.err;
+  EXPECT_NE(r.err.find("cannot run " + dir.path() + "/forkguard-bench"), std::string::npos)
+      << r.err;
+  EXPECT_EQ(ft::run({alone, "--version"}).exit_code, 0) << "the rest works without it";
+}
+
 // `bench decode` reads every file in the main thread: a FIFO or a symlink loop among them is named,
 // not a hang or an abort (exit 134).
 TEST(BenchDecodeCli, FifosAndSymlinkLoopsAreNamed) {

@@ -7,7 +7,7 @@ src=$2
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 cmake --install "$build" --prefix "$tmp/prefix" >/dev/null
-for f in bin/forkguard lib/libforkguard.so lib/libforkguard.a include/forkguard/probe/cuda_state.hpp \
+for f in bin/forkguard bin/forkguard-bench lib/libforkguard.so lib/libforkguard.a include/forkguard/probe/cuda_state.hpp \
          lib/cmake/forkguard/forkguardConfig.cmake lib/pkgconfig/forkguard.pc; do
   [ -e "$tmp/prefix/$f" ] || { echo "not installed: $f"; exit 1; }
 done
@@ -26,3 +26,6 @@ out=$("$tmp/pc_consumer")
 echo "pkg-config consumer: $out"
 [ "$out" = "verdict clean" ]
 "$tmp/prefix/bin/forkguard" --version
+# `forkguard bench` runs the forkguard-bench installed beside it.
+out=$("$tmp/prefix/bin/forkguard" bench --help)
+[[ $out == *"Usage: forkguard bench"* ]] || { echo "forkguard bench --help: $out"; exit 1; }

@@ -20,9 +20,9 @@
 #include <optional>
 #include <sstream>
 
+#include "cli_common.hpp"
 #include "forkguard/cuda/nvml.hpp"
 #include "forkguard/cuda/visible_devices.hpp"
-#include "forkguard/data/bench.hpp"
 #include "forkguard/doctor/report.hpp"
 #include "forkguard/init.hpp"
 #include "forkguard/launch/environment.hpp"
@@ -34,19 +34,8 @@
 
 namespace {
 
-// A whole number from lo to hi, said in a short message. CLI11's PositiveNumber/NonNegativeNumber
-// refused "abc" with the whole double range ("not in range 0 to 1.79769e+308" spelled out: 308
-// digits).
-CLI::Validator whole_number(const char* what, long lo, long hi) {
-  return CLI::Validator(
-      [what, lo, hi](std::string& s) -> std::string {
-        long v = 0;
-        auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-        if (ec == std::errc() && end == s.data() + s.size() && v >= lo && v <= hi) return {};
-        return fmt::format("{} is a whole number from {} to {}, not \"{}\"", what, lo, hi, s);
-      },
-      fmt::format("{}..{}", lo, hi));
-}
+using forkguard::cli::whole_number;
+
 const CLI::Validator kPidValidator = whole_number("a PID", 1, INT_MAX);
 
 // With --json, a failure is a JSON object on stdout too (a reader parses stdout whatever
@@ -227,109 +216,6 @@ int run(int argc, char** argv, const RunFlags& f) {
   }
 }
 
-struct BenchFlags {
-  std::string data;
-  std::string format = "imagefolder";
-  size_t workers = std::max(1u, std::thread::hardware_concurrency());
-  std::string worker_kind = "thread";
-  size_t batch_size = 64;
-  int epochs = 3;
-  std::string dtype = "float32";
-  std::string bad_sample = "error";
-  bool digest = false;
-  bool json = false;
-  int fresh_loaders = 3;
-};
-
-forkguard::data::DatasetFormat format_of(const std::string& f) {
-  using forkguard::data::DatasetFormat;
-  return f == "filelist" ? DatasetFormat::kFileList
-         : f == "wds"    ? DatasetFormat::kWebDataset
-                         : DatasetFormat::kImageFolder;
-}
-
-int bench_loader(const BenchFlags& f) {
-  namespace fd = forkguard::data;
-  fd::LoaderBenchOptions o;
-  o.data = f.data;
-  o.format = format_of(f.format);
-  o.workers = f.workers;
-  o.worker_kind = f.worker_kind == "process" ? fd::WorkerKind::kProcess : fd::WorkerKind::kThread;
-  o.batch_size = f.batch_size;
-  o.epochs = f.epochs;
-  o.dtype = f.dtype == "uint8" ? fd::DType::kUInt8 : fd::DType::kFloat32;
-  o.bad_sample = f.bad_sample == "skip" ? fd::BadSample::kSkip : fd::BadSample::kError;
-  o.digest = f.digest;
-  o.fresh_loaders = f.fresh_loaders;
-  const bool bar = ::isatty(2) != 0;
-  if (bar) {
-    o.progress = [start = std::chrono::steady_clock::now()](uint64_t done, uint64_t total) {
-      const double s =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      const int width = 30;
-      const int filled = total > 0 ? static_cast<int>(width * done / total) : width;
-      fmt::print(stderr, "\r[{:=<{}}{: <{}}] {}/{} images  {:.0f} img/s ", "", filled, "",
-                 width - filled, done, total, s > 0 ? done / s : 0.0);
-    };
-  }
-  auto r = fd::run_loader_bench(o);
-  if (bar) fmt::print(stderr, "\n");
-  if (f.json) {
-    nlohmann::ordered_json j{{"images_per_second", r.images_per_second},
-                             {"first_batch_seconds", r.first_batch_seconds},
-                             {"fresh_first_batch_seconds", r.fresh_first_batch_seconds},
-                             {"peak_rss_bytes", r.peak_rss_bytes},
-                             {"images", r.images},
-                             {"skipped", r.skipped}};
-    if (f.digest) j["digest"] = r.digest;
-    j["workers"] = f.workers;
-    j["worker_kind"] = f.worker_kind;
-    j["read_seconds"] = r.stats.read_seconds;
-    j["transform_seconds"] = r.stats.transform_seconds;
-    j["consumer_wait_seconds"] = r.stats.consumer_wait_seconds;
-    j["epoch_pss_bytes"] = r.epoch_pss_bytes;
-    j["fresh_first_batches_seconds"] = r.fresh_first_batches;
-    fmt::print("{}\n", j.dump());
-    return 0;
-  }
-  fmt::print(
-      "{:.1f} images/s (steady state, after the first batch), first batch {:.3f} s, "
-      "peak RSS {:.1f} MB, {} images, {} skipped\n",
-      r.images_per_second, r.first_batch_seconds, r.peak_rss_bytes / 1e6, r.images, r.skipped);
-  fmt::print(
-      "  per stage (summed over {} {} workers): read {:.2f} s, transform {:.2f} s, "
-      "consumer wait {:.2f} s\n",
-      f.workers, f.worker_kind, r.stats.read_seconds, r.stats.transform_seconds,
-      r.stats.consumer_wait_seconds);
-  if (!r.fresh_first_batches.empty()) {
-    fmt::print(
-        "  first batch of a fresh loader on running cores: {:.3f} s (median of {}; the first "
-        "loader's started on idle cores)\n",
-        r.fresh_first_batch_seconds, r.fresh_first_batches.size());
-  }
-  std::string pss;
-  for (uint64_t b : r.epoch_pss_bytes)
-    pss += fmt::format("{}{:.1f}", pss.empty() ? "" : " / ", b / 1e6);
-  fmt::print("  memory at each epoch's end (Pss of this process and its workers): {} MB\n", pss);
-  if (f.digest) fmt::print("digest {}\n", r.digest);
-  return 0;
-}
-
-int bench_decode(const BenchFlags& f) {
-  auto r = forkguard::data::run_decode_bench(f.data, format_of(f.format), f.workers);
-  if (f.json) {
-    fmt::print("{}\n", nlohmann::ordered_json{{"images_per_second", r.images_per_second},
-                                              {"megapixels_per_second", r.megapixels_per_second},
-                                              {"images", r.images},
-                                              {"threads", r.threads}}
-                           .dump());
-    return 0;
-  }
-  fmt::print("full-size decode only: {:.1f} images/s, {:.1f} MP/s ({} images, {} threads)\n",
-             r.images_per_second, r.megapixels_per_second, r.images, r.threads);
-  return 0;
-}
-
 struct TraceFlags {
   bool strict = false;
   std::string json;
@@ -355,128 +241,141 @@ int trace(const TraceFlags& f) {
   }
 }
 
+// `forkguard bench ...` is `forkguard-bench ...`, the program beside this one.
+int run_bench_program(int argc, char** argv) {
+  std::string self(PATH_MAX, '\0');
+  const ssize_t n = ::readlink("/proc/self/exe", self.data(), self.size());
+  self.resize(n > 0 ? static_cast<size_t>(n) : 0);
+  std::string path = self.substr(0, self.rfind('/') + 1) + "forkguard-bench";
+  std::vector<char*> args{path.data()};
+  args.insert(args.end(), argv + 2, argv + argc);
+  args.push_back(nullptr);
+  ::execv(path.c_str(), args.data());
+  fmt::print(stderr, "forkguard bench: cannot run {} (installed beside forkguard): {}\n", path,
+             std::strerror(errno));
+  return 127;
+}
+
+// The subcommand typed: the first argument that is not a flag (the top level has only --help and
+// --version), or nothing.
+std::string_view typed_subcommand(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view a(argv[i]);
+    if (a == "--") break;
+    if (!a.starts_with('-')) return a;
+  }
+  return {};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The data-loader benchmarks are a program of their own: the image pipeline and its codecs
+  // (half of this program's code) loaded, relocated and torn down in every `forkguard run`
+  // cost 0.1 ms there (docs/performance.md, start-up). As git runs git-<command>.
+  if (argc > 1 && std::string_view(argv[1]) == "bench") return run_bench_program(argc, argv);
   CLI::App app{"forkguard: multi-process GPU work that survives fork"};
   app.set_version_flag("--version", std::string(forkguard::kVersion));
   app.require_subcommand(1);
+  // Only the typed subcommand is set up (all of them when none is recognised: for --help and
+  // CLI11's own messages). Each option costs CLI11 a few microseconds to build, and
+  // `forkguard run` starts in every launch (docs/performance.md, start-up).
+  const std::string_view typed = typed_subcommand(argc, argv);
+  auto wanted = [typed](std::string_view name) {
+    return typed == name ||
+           !(typed == "doctor" || typed == "run" || typed == "bench" || typed == "trace");
+  };
 
-  auto* doc = app.add_subcommand(
-      "doctor",
-      "Tell whether a process holds CUDA driver state (is fork safe?), with the evidence and the "
-      "cure. Exit code: 0 fork-safe, 3 fork-unsafe, 2 usage or permission error, or a PID that is "
-      "no live user process (a kernel thread, a zombie).");
   int pid = 0;
   bool json = false;
-  doc->add_option("--pid", pid, "Process to inspect (default: this doctor process itself)")
-      ->check(kPidValidator);
-  doc->add_flag("--json", json,
-                "Print one JSON object: pid, verdict, fork_safe, evidence, advice, environment");
+  CLI::App* doc = nullptr;
+  if (wanted("doctor")) {
+    doc = app.add_subcommand(
+        "doctor",
+        "Tell whether a process holds CUDA driver state (is fork safe?), with the evidence and the "
+        "cure. Exit code: 0 fork-safe, 3 fork-unsafe, 2 usage or permission error, or a PID that "
+        "is "
+        "no live user process (a kernel thread, a zombie).");
+    doc->add_option("--pid", pid, "Process to inspect (default: this doctor process itself)")
+        ->check(kPidValidator);
+    doc->add_flag("--json", json,
+                  "Print one JSON object: pid, verdict, fork_safe, evidence, advice, environment");
+  }
 
   RunFlags rf;
-  auto* runc = app.add_subcommand(
-      "run",
-      "Run N ranks of a command (one per GPU), each with torchrun's environment (RANK, "
-      "LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), supervised: the first failure stops the others; "
-      "exit code is the failed rank's. Usage: forkguard run [options] -- CMD ARGS...");
-  runc->add_option("--nproc-per-node,--nproc_per_node", rf.nproc,
-                   "Ranks on this node: a number, or \"gpu\" for one per visible GPU")
-      ->capture_default_str();
-  runc->add_option("--start-method", rf.start,
-                   "spawn (fork+exec), forkserver (from a clean zygote), fork (refused when this "
-                   "process holds CUDA state) or auto")
-      ->capture_default_str();
-  runc->add_option("--nnodes", rf.nnodes, "Number of nodes (default 1, or from Slurm / MPI / PMI)");
-  runc->add_option("--node-rank,--node_rank", rf.node_rank,
-                   "This node's rank (default 0, or from Slurm / MPI / PMI)");
-  runc->add_option("--master-addr,--master_addr", rf.master_addr,
-                   "MASTER_ADDR for the ranks (default 127.0.0.1)");
-  runc->add_option("--master-port,--master_port", rf.master_port,
-                   "MASTER_PORT for the ranks (default 29500)");
-  runc->add_flag("--standalone", rf.standalone, "Single node: pick a free port on loopback");
-  runc->add_option("--max-restarts,--max_restarts", rf.max_restarts,
-                   "Restart the whole group this many times after a failure")
-      ->check(whole_number("--max-restarts", 0, 1000));
-  runc->add_option("--log-dir,--log_dir", rf.log_dir,
-                   "Write DIR/attempt_N/rankR/{stdout,stderr}.log for every rank");
-  runc->add_option("--tee", rf.tee,
-                   "Accepted for torchrun compatibility: console output is "
-                   "always shown, prefixed [rankN]:");
-  runc->add_flag("--no-prefix", rf.no_prefix, "Do not prefix console lines with [rankN]:");
-  runc->add_option("--local-ranks-filter,--local_ranks_filter", rf.ranks_filter,
-                   "Show only these ranks on the console (comma-separated)");
-  runc->add_flag("--bind-gpus", rf.bind_gpus,
-                 "Give each rank its own GPU through CUDA_VISIBLE_DEVICES; more ranks than "
-                 "visible GPUs is an error before launch");
-  runc->add_flag("--allow-gpu-sharing", rf.allow_sharing,
-                 "With --bind-gpus, share GPUs round-robin when there are more ranks than GPUs");
-  runc->add_option("--grace", rf.grace, "Seconds between SIGTERM and SIGKILL when stopping ranks")
-      ->capture_default_str();
-  runc->add_option("--timeout", rf.timeout, "Stop every rank after this many seconds (0: never)");
-  runc->add_option("--json-report", rf.json_report,
-                   "Write the per-rank report (exit status, duration, stderr tail) as JSON");
-  runc->add_flag("--quiet", rf.quiet, "No notices from forkguard itself");
-  runc->add_option("command", rf.command, "The command each rank runs (after --)")->required();
-
-  BenchFlags bf;
-  auto* benchc =
-      app.add_subcommand("bench", "Benchmarks of the data loader")->require_subcommand(1);
-  auto* bl = benchc->add_subcommand(
-      "loader",
-      "The standard training pipeline (decode, RandomResizedCrop 224, flip, normalize) on image "
-      "files: images/s after the first batch, time to first batch, peak RSS");
-  auto* bd = benchc->add_subcommand(
-      "decode", "Full-size decode-only rate of the same files on as many threads: the ceiling");
-  for (auto* sc : {bl, bd}) {
-    sc->add_option("--data", bf.data, "ImageFolder root, or the file list")->required();
-    sc->add_option("--format", bf.format, "imagefolder | filelist | wds")
-        ->check(CLI::IsMember({"imagefolder", "filelist", "wds"}))
+  CLI::App* runc = nullptr;
+  if (wanted("run")) {
+    runc = app.add_subcommand(
+        "run",
+        "Run N ranks of a command (one per GPU), each with torchrun's environment (RANK, "
+        "LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), supervised: the first failure stops the "
+        "others; "
+        "exit code is the failed rank's. Usage: forkguard run [options] -- CMD ARGS...");
+    runc->add_option("--nproc-per-node,--nproc_per_node", rf.nproc,
+                     "Ranks on this node: a number, or \"gpu\" for one per visible GPU")
         ->capture_default_str();
-    // CLI11 reads "-1" into a size_t as 2^64-1: the range check refuses it by the flag's name.
-    sc->add_option("--workers", bf.workers, "Workers (threads for decode)")
-        ->capture_default_str()
-        ->check(CLI::Range(size_t{0}, forkguard::data::kMaxWorkers));
-    sc->add_flag("--json", bf.json, "Print one JSON object");
+    runc->add_option("--start-method", rf.start,
+                     "spawn (fork+exec), forkserver (from a clean zygote), fork (refused when this "
+                     "process holds CUDA state) or auto")
+        ->capture_default_str();
+    runc->add_option("--nnodes", rf.nnodes,
+                     "Number of nodes (default 1, or from Slurm / MPI / PMI)");
+    runc->add_option("--node-rank,--node_rank", rf.node_rank,
+                     "This node's rank (default 0, or from Slurm / MPI / PMI)");
+    runc->add_option("--master-addr,--master_addr", rf.master_addr,
+                     "MASTER_ADDR for the ranks (default 127.0.0.1)");
+    runc->add_option("--master-port,--master_port", rf.master_port,
+                     "MASTER_PORT for the ranks (default 29500)");
+    runc->add_flag("--standalone", rf.standalone, "Single node: pick a free port on loopback");
+    runc->add_option("--max-restarts,--max_restarts", rf.max_restarts,
+                     "Restart the whole group this many times after a failure")
+        ->check(whole_number("--max-restarts", 0, 1000));
+    runc->add_option("--log-dir,--log_dir", rf.log_dir,
+                     "Write DIR/attempt_N/rankR/{stdout,stderr}.log for every rank");
+    runc->add_option("--tee", rf.tee,
+                     "Accepted for torchrun compatibility: console output is "
+                     "always shown, prefixed [rankN]:");
+    runc->add_flag("--no-prefix", rf.no_prefix, "Do not prefix console lines with [rankN]:");
+    runc->add_option("--local-ranks-filter,--local_ranks_filter", rf.ranks_filter,
+                     "Show only these ranks on the console (comma-separated)");
+    runc->add_flag("--bind-gpus", rf.bind_gpus,
+                   "Give each rank its own GPU through CUDA_VISIBLE_DEVICES; more ranks than "
+                   "visible GPUs is an error before launch");
+    runc->add_flag("--allow-gpu-sharing", rf.allow_sharing,
+                   "With --bind-gpus, share GPUs round-robin when there are more ranks than GPUs");
+    runc->add_option("--grace", rf.grace, "Seconds between SIGTERM and SIGKILL when stopping ranks")
+        ->capture_default_str();
+    runc->add_option("--timeout", rf.timeout, "Stop every rank after this many seconds (0: never)");
+    runc->add_option("--json-report", rf.json_report,
+                     "Write the per-rank report (exit status, duration, stderr tail) as JSON");
+    runc->add_flag("--quiet", rf.quiet, "No notices from forkguard itself");
+    runc->add_option("command", rf.command, "The command each rank runs (after --)")->required();
   }
-  bl->add_option("--worker-kind", bf.worker_kind, "thread | process")
-      ->check(CLI::IsMember({"thread", "process"}))
-      ->capture_default_str();
-  bl->add_option("--batch-size", bf.batch_size)
-      ->capture_default_str()
-      ->check(whole_number("--batch-size", 1, 65536));
-  bl->add_option("--epochs", bf.epochs)
-      ->capture_default_str()
-      ->check(whole_number("--epochs", 1, 1'000'000));
-  bl->add_option("--dtype", bf.dtype, "float32 | uint8")
-      ->check(CLI::IsMember({"float32", "uint8"}))
-      ->capture_default_str();
-  bl->add_option("--bad-sample", bf.bad_sample, "error | skip")
-      ->check(CLI::IsMember({"error", "skip"}))
-      ->capture_default_str();
-  bl->add_option("--fresh-loaders", bf.fresh_loaders,
-                 "After the epochs, build this many fresh loaders one after another and time "
-                 "each one's first batch (new workers and slots, on running cores)")
-      ->capture_default_str()
-      ->check(whole_number("--fresh-loaders", 0, 1000));
-  bl->add_flag("--digest", bf.digest,
-               "Print a hash of every batch in delivery order (the same for any number or kind "
-               "of workers)");
+
+  if (wanted("bench")) {
+    app.add_subcommand("bench",
+                       "Benchmarks of the data loader (loader, decode; forkguard bench --help). "
+                       "The program forkguard-bench, beside this one, runs them");
+  }
 
   TraceFlags tf;
-  auto* tracec = app.add_subcommand(
-      "trace",
-      "Run a command with libforkguard_trace.so preloaded (children inherit it): report where "
-      "CUDA was initialized when a process forks after that, and where a child of such a fork "
-      "touches CUDA. Exit code: the command's. Usage: forkguard trace [options] -- CMD ARGS...");
-  tracec->add_flag("--strict", tf.strict,
-                   "A child forked after CUDA initialization exits with code 70 at its first CUDA "
-                   "touch, with the report, instead of failing later");
-  tracec->add_option("--json", tf.json,
-                     "Write every event (driver_loaded, device_opened, cuda_init, dirty_fork, "
-                     "poisoned_touch) with pid, ppid, time and native and Python frames");
-  tracec->add_flag("--quiet", tf.quiet, "No summary when nothing was found");
-  tracec->add_option("command", tf.command, "The command to trace (after --)")->required();
+  CLI::App* tracec = nullptr;
+  if (wanted("trace")) {
+    tracec = app.add_subcommand(
+        "trace",
+        "Run a command with libforkguard_trace.so preloaded (children inherit it): report where "
+        "CUDA was initialized when a process forks after that, and where a child of such a fork "
+        "touches CUDA. Exit code: the command's. Usage: forkguard trace [options] -- CMD ARGS...");
+    tracec->add_flag(
+        "--strict", tf.strict,
+        "A child forked after CUDA initialization exits with code 70 at its first CUDA "
+        "touch, with the report, instead of failing later");
+    tracec->add_option("--json", tf.json,
+                       "Write every event (driver_loaded, device_opened, cuda_init, dirty_fork, "
+                       "poisoned_touch) with pid, ppid, time and native and Python frames");
+    tracec->add_flag("--quiet", tf.quiet, "No summary when nothing was found");
+    tracec->add_option("command", tf.command, "The command to trace (after --)")->required();
+  }
 
   try {
     app.parse(argc, argv);
@@ -495,13 +394,9 @@ int main(int argc, char** argv) {
   }
 
   try {
-    if (doc->parsed()) return doctor(pid, json);
-    if (runc->parsed()) return run(argc, argv, rf);
-    if (tracec->parsed()) return trace(tf);
-    if (bl->parsed() || bd->parsed()) {
-      forkguard::init(argc, argv);  // the fork server for --worker-kind process
-      return bl->parsed() ? bench_loader(bf) : bench_decode(bf);
-    }
+    if (doc != nullptr && doc->parsed()) return doctor(pid, json);
+    if (runc != nullptr && runc->parsed()) return run(argc, argv, rf);
+    if (tracec != nullptr && tracec->parsed()) return trace(tf);
   } catch (const forkguard::Error& e) {
     fmt::print(stderr, "forkguard: {}\n", e.what());
     return 1;

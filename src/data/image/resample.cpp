@@ -6,6 +6,7 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#include <sys/platform/x86.h>
 #define FORKGUARD_RESAMPLE_X86 1
 #endif
 
@@ -262,10 +263,10 @@ __attribute__((target("avx2"))) void vertical_avx2(const uint8_t* const* rows, c
   vertical_scalar(rows, k, n, j, len, out);
 }
 
-bool have_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2");
-  return yes;
-}
+// glibc's answer, read from what its loader found at start-up: __builtin_cpu_supports would link
+// in libgcc's cpu-model constructor, which runs CPUID again in every process that starts the CLI
+// (each CPUID a trap to the hypervisor in a VM: about 0.15 ms per start, docs/performance.md).
+bool have_avx2() { return CPU_FEATURE_ACTIVE(AVX2); }
 #endif
 
 }  // namespace
