@@ -1,4 +1,5 @@
-// forkguard: the command-line tool. It parses flags, fills option structs and calls the library.
+// forkguard: the command-line tool (run, doctor, trace; bench is forkguard-bench, beside it). It
+// parses flags, fills option structs and calls the library.
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
@@ -14,11 +15,9 @@
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
-#include <thread>
+#include <vector>
 
-#include <fstream>
 #include <optional>
-#include <sstream>
 
 #include "cli_common.hpp"
 #include "forkguard/cuda/nvml.hpp"
@@ -294,8 +293,7 @@ int main(int argc, char** argv) {
         "doctor",
         "Tell whether a process holds CUDA driver state (is fork safe?), with the evidence and the "
         "cure. Exit code: 0 fork-safe, 3 fork-unsafe, 2 usage or permission error, or a PID that "
-        "is "
-        "no live user process (a kernel thread, a zombie).");
+        "is no live user process (a kernel thread, a zombie).");
     doc->add_option("--pid", pid, "Process to inspect (default: this doctor process itself)")
         ->check(kPidValidator);
     doc->add_flag("--json", json,
