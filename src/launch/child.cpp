@@ -383,7 +383,7 @@ int kill_and_reap_all(pid_t program, int status, bool have_status) noexcept {
   return have_status ? status : (SIGKILL & 0x7f);
 }
 
-// The reaper: a subreaper between the parent and the program. It forks the program, says when it
+// The reaper: a subreaper between the parent and the program. It starts the program, says when it
 // started, passes on the signals its parent sends it, and when the program exits or the parent
 // dies, kills what is left of the tree, reaps it, and exits as the program did.
 [[noreturn]] void reaper_main(const ChildPlan& p) noexcept {
@@ -395,12 +395,13 @@ int kill_and_reap_all(pid_t program, int status, bool have_status) noexcept {
   const pid_t self = ::getpid();
   pid_t program;
   if (o.exec != nullptr) {
-    // A program to execute: vfork, as posix_spawn does (without the parent-death signal it cannot
-    // set), not a copy of this process's page tables that exec throws away at once: 0.1 ms less
-    // on each rank's start (docs/performance.md). The child borrows this memory until its exec
-    // or _exit: it only makes system calls, writes nothing of ours, and returns from nothing.
-    // No handler of the launcher's may run on borrowed memory in the moment between unblocking
-    // and exec: every caught signal goes back to its default (which the exec does anyway).
+    // A program to execute: vfork, as posix_spawn does (posix_spawn cannot set the parent-death
+    // signal), not a copy of this process's page tables that exec throws away at once: 0.1 ms
+    // less on each rank's start (docs/performance.md). The child borrows this memory until its
+    // exec or _exit: it only makes system calls, writes nothing of ours, returns from nothing,
+    // and never enters the dynamic linker (libforkguard and the CLI are linked -z now). No
+    // handler of the launcher's may run on borrowed memory in the moment between unblocking and
+    // exec: every caught signal goes back to its default first (as the exec does anyway).
     reset_handlers();
     program = ::vfork();
   } else {
