@@ -299,13 +299,20 @@ class JobQueue::Impl : public JobSlot {
     while (true) {
       // Jobs of workers that ended their pass are skipped (torch's DataLoader does the same);
       // their slots stay the worker's until it answers them.
+      // A worker's death is reported where the delivery order reaches its first job not done:
+      // every batch before that one comes first, whichever worker made it.
       while (!jobs_.empty()) {
         auto it = jobs_.begin();
-        if (it->second.done || procs_[static_cast<size_t>(it->second.worker)].active) break;
+        const int w = it->second.worker;
+        if (it->second.done || procs_[static_cast<size_t>(w)].active) break;
+        if (auto d = deaths_.find(w); d != deaths_.end()) return report_death(d);
         skipped_[it->first] = it->second;
         jobs_.erase(it);
       }
-      if (jobs_.empty()) return std::nullopt;
+      if (jobs_.empty()) {
+        if (!deaths_.empty()) return report_death(deaths_.begin());  // it died holding nothing
+        return std::nullopt;
+      }
       auto& [job, j] = *jobs_.begin();
       if (j.done) {
         JobResult r = std::move(j.result);
@@ -319,8 +326,17 @@ class JobQueue::Impl : public JobSlot {
                          .worker = j.worker,
                          .pid = procs_[static_cast<size_t>(j.worker)].pid};
       }
-      if (polled.died) return polled.died;
+      if (polled.died) deaths_.emplace(polled.died->worker, std::move(*polled.died));
     }
+  }
+
+  JobResult report_death(std::map<int, JobResult>::iterator d) {
+    JobResult r = std::move(d->second);
+    deaths_.erase(d);
+    for (const auto& [job, j] : jobs_) {
+      if (j.worker == r.worker && !j.done) r.held.push_back(job);
+    }
+    return r;
   }
 
   void release(int slot) {
@@ -625,10 +641,7 @@ class JobQueue::Impl : public JobSlot {
     }
     JobResult r{.kind = JobResult::Kind::kDied, .worker = w, .pid = p.pid};
     if (p.status) r.status = *p.status;
-    for (const auto& [job, j] : jobs_) {
-      if (j.worker == w) r.held.push_back(job);
-    }
-    return r;
+    return r;  // the jobs it held: when it is reported (report_death)
   }
 
   void kill(Proc& p) {
@@ -664,6 +677,7 @@ class JobQueue::Impl : public JobSlot {
   std::vector<std::unique_ptr<SlotState>> slots_;
   std::map<uint64_t, Job> jobs_;     // submitted, not yet delivered, in job order
   std::map<uint64_t, Job> skipped_;  // skipped, not yet answered
+  std::map<int, JobResult> deaths_;  // by worker: noticed, not yet reported
   uint64_t next_job_ = 0;
   size_t rr_ = 0;
   int current_ = 0;

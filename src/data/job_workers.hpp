@@ -4,8 +4,8 @@
 // jobs round-robin over the workers still active with a bounded number in flight, moves each
 // job's input and result through a memfd slot of the worker's (grown when a result outgrows it;
 // nothing in /dev/shm), delivers results in job order, and supervises: a worker that dies is
-// reported with its PID, its exit status and the jobs it held; a job not done in time names its
-// worker.
+// reported, in that order, at its first job not done (every result before it is delivered first),
+// with its PID, its exit status and the jobs it held; a job not done in time names its worker.
 //
 //   JobQueue q({.workers = 2, .prefetch = 2, .start = JobStart::kFork, .body = make_body});
 //   q.await_started();
@@ -128,7 +128,7 @@ struct JobResult {
   int slot = -1;
   size_t bytes = 0;
   std::string message{};
-  // kDied: its exit status, and the jobs it held (done or not, not yet delivered), in order
+  // kDied: its exit status, and the jobs it held and did not do, in order
   launch::ExitStatus status{};
   std::vector<uint64_t> held{};
 };

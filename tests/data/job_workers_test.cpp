@@ -186,6 +186,36 @@ TEST_F(JobQueue, AWorkerThatDiesIsReportedWithItsSignalAndTheJobsItHeld) {
   EXPECT_EQ(r->held.back(), 2u);
 }
 
+// A worker that dies while an earlier job of another worker is still running: that job and the
+// dead worker's own finished one come first, in order, then the death, naming only the job it did
+// not do (the death was reported at once, ahead of both: forkguard.DataLoader gave 2 of 5
+// batches).
+TEST_F(JobQueue, ADeathIsReportedInJobOrderAfterEveryEarlierResult) {
+  fdd::JobQueue q(options(2));
+  q.await_started();
+  const pid_t victim = q.pid(1);
+  submit(q, "sleep 400", 0);  // 0 -> worker 0, still running when worker 1 dies
+  submit(q, "b", 1);          // 1 -> worker 1
+  submit(q, "die", 1);        // 2 -> worker 1
+  auto r = q.next(5s);
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->kind, fdd::JobResult::Kind::kResult) << "the death came first";
+  EXPECT_EQ(r->job, 0u);
+  q.release(r->slot);
+  r = q.next(5s);
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->kind, fdd::JobResult::Kind::kResult);
+  EXPECT_EQ(r->job, 1u);
+  EXPECT_EQ(text(q, *r), "1:1:b");
+  q.release(r->slot);
+  r = q.next(5s);
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->kind, fdd::JobResult::Kind::kDied);
+  EXPECT_EQ(r->pid, victim);
+  EXPECT_EQ(r->status.signal, SIGKILL) << r->status.to_string();
+  EXPECT_EQ(r->held, std::vector<uint64_t>{2u});
+}
+
 TEST_F(JobQueue, AJobNotDoneInTimeNamesItsWorker) {
   fdd::JobQueue q(options(2));
   q.await_started();

@@ -6,7 +6,8 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-#include <sys/platform/x86.h>
+
+#include "data/image/cpu_features.h"
 #define FORKGUARD_RESAMPLE_X86 1
 #endif
 
@@ -263,10 +264,7 @@ __attribute__((target("avx2"))) void vertical_avx2(const uint8_t* const* rows, c
   vertical_scalar(rows, k, n, j, len, out);
 }
 
-// glibc's answer, read from what its loader found at start-up: __builtin_cpu_supports would link
-// in libgcc's cpu-model constructor, which runs CPUID again in every process that starts the CLI
-// (each CPUID a trap to the hypervisor in a VM: about 0.15 ms per start, docs/performance.md).
-bool have_avx2() { return CPU_FEATURE_ACTIVE(AVX2); }
+bool have_avx2() { return forkguard_cpu_has_avx2() != 0; }
 #endif
 
 }  // namespace
