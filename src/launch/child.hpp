@@ -9,8 +9,9 @@
 //   ExitStatus s = c.wait();   // or let it go: the destructor applies c's stop policy
 //
 // With `reap_tree`, the child is a tiny subreaper ("fg-reaper" in ps) that starts the real program
-// (vfork and exec, as posix_spawn; a fork for a main function), mirrors its exit status, and kills every descendant that is left when the program exits or when
-// the reaper's parent dies (kill -9 included), setsid()'d ones too.
+// (vfork and exec, as posix_spawn; a fork for a main function), mirrors its exit status, and kills
+// every descendant that is left when the program exits or when the reaper's parent dies (kill -9
+// included), setsid()'d ones too.
 //
 // Thread-safety: start_child may be called from any thread; a Child has one owner. The
 // parent-death signal is tied to the thread that calls start_child (Linux semantics).

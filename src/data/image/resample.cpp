@@ -264,7 +264,9 @@ __attribute__((target("avx2"))) void vertical_avx2(const uint8_t* const* rows, c
   vertical_scalar(rows, k, n, j, len, out);
 }
 
-bool have_avx2() { return forkguard_cpu_has_avx2() != 0; }
+bool have_avx2() {
+  return forkguard_cpu_has_avx2() != 0;
+}
 #endif
 
 }  // namespace
