@@ -126,50 +126,46 @@ int main(int argc, char** argv) {
   CLI::App app{"forkguard bench: benchmarks of the data loader", "forkguard bench"};
   app.require_subcommand(1);
   BenchFlags bf;
-  CLI::App* bl = nullptr;
-  CLI::App* bd = nullptr;
-  {
-    bl = app.add_subcommand(
-        "loader",
-        "The standard training pipeline (decode, RandomResizedCrop 224, flip, normalize) on image "
-        "files: images/s after the first batch, time to first batch, peak RSS");
-    bd = app.add_subcommand(
-        "decode", "Full-size decode-only rate of the same files on as many threads: the ceiling");
-    for (auto* sc : {bl, bd}) {
-      sc->add_option("--data", bf.data, "ImageFolder root, or the file list")->required();
-      sc->add_option("--format", bf.format, "imagefolder | filelist | wds")
-          ->check(CLI::IsMember({"imagefolder", "filelist", "wds"}))
-          ->capture_default_str();
-      // CLI11 reads "-1" into a size_t as 2^64-1: the range check refuses it by the flag's name.
-      sc->add_option("--workers", bf.workers, "Workers (threads for decode)")
-          ->capture_default_str()
-          ->check(CLI::Range(size_t{0}, forkguard::data::kMaxWorkers));
-      sc->add_flag("--json", bf.json, "Print one JSON object");
-    }
-    bl->add_option("--worker-kind", bf.worker_kind, "thread | process")
-        ->check(CLI::IsMember({"thread", "process"}))
+  auto* bl = app.add_subcommand(
+      "loader",
+      "The standard training pipeline (decode, RandomResizedCrop 224, flip, normalize) on image "
+      "files: images/s after the first batch, time to first batch, peak RSS");
+  auto* bd = app.add_subcommand(
+      "decode", "Full-size decode-only rate of the same files on as many threads: the ceiling");
+  for (auto* sc : {bl, bd}) {
+    sc->add_option("--data", bf.data, "ImageFolder root, or the file list")->required();
+    sc->add_option("--format", bf.format, "imagefolder | filelist | wds")
+        ->check(CLI::IsMember({"imagefolder", "filelist", "wds"}))
         ->capture_default_str();
-    bl->add_option("--batch-size", bf.batch_size)
+    // CLI11 reads "-1" into a size_t as 2^64-1: the range check refuses it by the flag's name.
+    sc->add_option("--workers", bf.workers, "Workers (threads for decode)")
         ->capture_default_str()
-        ->check(whole_number("--batch-size", 1, 65536));
-    bl->add_option("--epochs", bf.epochs)
-        ->capture_default_str()
-        ->check(whole_number("--epochs", 1, 1'000'000));
-    bl->add_option("--dtype", bf.dtype, "float32 | uint8")
-        ->check(CLI::IsMember({"float32", "uint8"}))
-        ->capture_default_str();
-    bl->add_option("--bad-sample", bf.bad_sample, "error | skip")
-        ->check(CLI::IsMember({"error", "skip"}))
-        ->capture_default_str();
-    bl->add_option("--fresh-loaders", bf.fresh_loaders,
-                   "After the epochs, build this many fresh loaders one after another and time "
-                   "each one's first batch (new workers and slots, on running cores)")
-        ->capture_default_str()
-        ->check(whole_number("--fresh-loaders", 0, 1000));
-    bl->add_flag("--digest", bf.digest,
-                 "Print a hash of every batch in delivery order (the same for any number or kind "
-                 "of workers)");
+        ->check(CLI::Range(size_t{0}, forkguard::data::kMaxWorkers));
+    sc->add_flag("--json", bf.json, "Print one JSON object");
   }
+  bl->add_option("--worker-kind", bf.worker_kind, "thread | process")
+      ->check(CLI::IsMember({"thread", "process"}))
+      ->capture_default_str();
+  bl->add_option("--batch-size", bf.batch_size)
+      ->capture_default_str()
+      ->check(whole_number("--batch-size", 1, 65536));
+  bl->add_option("--epochs", bf.epochs)
+      ->capture_default_str()
+      ->check(whole_number("--epochs", 1, 1'000'000));
+  bl->add_option("--dtype", bf.dtype, "float32 | uint8")
+      ->check(CLI::IsMember({"float32", "uint8"}))
+      ->capture_default_str();
+  bl->add_option("--bad-sample", bf.bad_sample, "error | skip")
+      ->check(CLI::IsMember({"error", "skip"}))
+      ->capture_default_str();
+  bl->add_option("--fresh-loaders", bf.fresh_loaders,
+                 "After the epochs, build this many fresh loaders one after another and time "
+                 "each one's first batch (new workers and slots, on running cores)")
+      ->capture_default_str()
+      ->check(whole_number("--fresh-loaders", 0, 1000));
+  bl->add_flag("--digest", bf.digest,
+               "Print a hash of every batch in delivery order (the same for any number or kind "
+               "of workers)");
 
   try {
     app.parse(argc, argv);

@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <chrono>
@@ -280,10 +281,10 @@ int main(int argc, char** argv) {
   // CLI11's own messages). Each option costs CLI11 a few microseconds to build, and
   // `forkguard run` starts in every launch (docs/performance.md, start-up).
   const std::string_view typed = typed_subcommand(argc, argv);
-  auto wanted = [typed](std::string_view name) {
-    return typed == name ||
-           !(typed == "doctor" || typed == "run" || typed == "bench" || typed == "trace");
-  };
+  constexpr std::string_view kSubcommands[] = {"doctor", "run", "bench", "trace"};
+  const bool known =
+      std::find(std::begin(kSubcommands), std::end(kSubcommands), typed) != std::end(kSubcommands);
+  auto wanted = [typed, known](std::string_view name) { return typed == name || !known; };
 
   int pid = 0;
   bool json = false;
@@ -307,8 +308,7 @@ int main(int argc, char** argv) {
         "run",
         "Run N ranks of a command (one per GPU), each with torchrun's environment (RANK, "
         "LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), supervised: the first failure stops the "
-        "others; "
-        "exit code is the failed rank's. Usage: forkguard run [options] -- CMD ARGS...");
+        "others; exit code is the failed rank's. Usage: forkguard run [options] -- CMD ARGS...");
     runc->add_option("--nproc-per-node,--nproc_per_node", rf.nproc,
                      "Ranks on this node: a number, or \"gpu\" for one per visible GPU")
         ->capture_default_str();
