@@ -17,6 +17,7 @@ checks that nothing is left behind (processes tagged by this test's marker, /dev
 """
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -198,7 +199,11 @@ def script(fake_cuda_env, tmp_path, monkeypatch):
     runs = []
     left_in_private_shm = []
 
-    def run(body, args=(), expect_rc=0, shm=None, timeout=120, exit_within=None):
+    def run(body, args=(), expect_rc=0, shm=None, timeout=120, exit_within=None,
+            peer_may_leave=None):
+        """`peer_may_leave`: a pattern of the file names a peer (PyTorch's own DataLoader) is
+        known to leave in the private /dev/shm in this run; they are the peer's result, given
+        back as `out.peer_left`, and not held against forkguard. Everything else still fails."""
         path = tmp_path / f"script{len(runs)}.py"
         path.write_text(PRELUDE + textwrap.dedent(body))
         cmd = [sys.executable, str(path), *map(str, args)]
@@ -236,8 +241,13 @@ def script(fake_cuda_env, tmp_path, monkeypatch):
             raise
         out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, err_path.read_text())
         runs.append(out)
+        out.peer_left = []
         if listing.exists():
-            left_in_private_shm.extend(listing.read_text().split())
+            for name in listing.read_text().split():
+                if peer_may_leave is not None and re.fullmatch(peer_may_leave, name):
+                    out.peer_left.append(name)
+                else:
+                    left_in_private_shm.append(name)
         if expect_rc is not None:
             assert out.returncode == expect_rc, out.stdout + out.stderr
         found = [line[len("RESULT "):] for line in out.stdout.splitlines()
@@ -764,7 +774,11 @@ def test_batches_of_images_view_the_slot_and_nothing_goes_through_dev_shm(script
 
 @pytest.mark.parametrize("which", ["torch", *STARTS])
 def test_a_small_dev_shm(script, which):
-    out, r = script(TRANSPORT, args=[which], shm="size=64m")
+    # torch's worker, killed by SIGBUS mid-write, may leave the segment it was filling (libshm
+    # names them torch_<pid>_<random>_<n>): that is PyTorch's behaviour, not a leak of ours, so
+    # only in the torch run are such names allowed; every forkguard run stays strict.
+    out, r = script(TRANSPORT, args=[which], shm="size=64m",
+                    peer_may_leave=r"torch_\d+_\d+_\d+" if which == "torch" else None)
     if which == "torch":
         # torch's worker dies of SIGBUS writing the second batch into /dev/shm beside the first
         assert r["error"] is not None and r["batches"] <= 1, r
