@@ -49,6 +49,10 @@ def start_fork_server() -> bool:
     """Starts the C++ fork server process workers come from, if this process is fork-safe and
     owns none; returns whether it owns one now."""
 
+def stop_fork_server() -> None:
+    """Stops this process's fork server and reaps it, as exit does (for a process that leaves
+    by ``os._exit``)."""
+
 def owns_fork_server() -> bool: ...
 def fork_server_pid() -> Optional[int]: ...
 

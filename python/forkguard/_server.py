@@ -154,6 +154,12 @@ def _rank_main(fields, fds):
         os.environ.update(env)
         os.chdir(cwd)
         sys.path[:] = path
+        fg = sys.modules.get("forkguard")
+        if fg is not None and not os.environ.get("FORKGUARD_NO_FORK_SERVER"):
+            # forkguard was preloaded (without its C++ fork server: see _preload), so the rank's
+            # `import forkguard` does nothing. What that import does, now, while the rank is
+            # clean: its process workers stay CUDA-clean after the function initializes CUDA.
+            fg._native.start_fork_server()
         payload = os.pread(memfd, os.fstat(memfd).st_size, 0)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         import cloudpickle
@@ -191,6 +197,8 @@ def _rank_main(fields, fds):
         try:
             sys.stdout.flush()
             sys.stderr.flush()
+            if "forkguard" in sys.modules:  # what exit would do: its fork server stopped, reaped
+                sys.modules["forkguard"]._native.stop_fork_server()
         except Exception:  # noqa: BLE001
             pass
         os._exit(code)

@@ -502,6 +502,13 @@ PYBIND11_MODULE(_native, m) {
 
   m.def("start_fork_server", &start_fork_server,
         "Starts the C++ fork server process workers come from, if this process is fork-safe.");
+  m.def(
+      "stop_fork_server",
+      []() {
+        if (owns_fork_server()) ForkServer::stop();
+      },
+      "Stops this process's fork server and reaps it (what exit does; for a process leaving by "
+      "_exit).");
   m.def("owns_fork_server", &owns_fork_server);
   m.def("fork_server_pid", []() -> py::object {
     if (!owns_fork_server()) return py::none();

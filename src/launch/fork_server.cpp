@@ -41,7 +41,8 @@ namespace forkguard::launch::detail {
 namespace {
 
 ForkServer* g_server = nullptr;
-pid_t g_owner = 0;  // the process that started the zygote (its parent)
+pid_t g_owner = 0;                // the process that started the zygote (its parent)
+ForkServer* g_retired = nullptr;  // stopped: see retire()
 
 using forkguard::detail::kMaxFds;
 using forkguard::detail::recv_message;
@@ -222,16 +223,28 @@ std::pair<pid_t, int> fork_zygote() {
 
 void ForkServer::start() {
   if (g_server != nullptr) return;
+  const bool first = g_owner == 0;
   auto [pid, sock] = fork_zygote();
   g_server = new ForkServer(pid, sock);
   g_owner = ::getpid();
   // At exit, close the socket (the zygote sees EOF and exits) and reap it here, so it never
-  // becomes a zombie for init to collect.
-  std::atexit([] {
-    if (g_server == nullptr || ::getpid() != g_owner) return;  // a forked rank calling exit()
-    g_server->sock_.reset();
-    ::waitpid(g_server->pid_, nullptr, 0);
-  });
+  // becomes a zombie for init to collect. Registered once (a start after stop() reuses it).
+  if (first) std::atexit([] { stop(); });
+}
+
+void ForkServer::stop() {
+  if (g_server == nullptr || ::getpid() != g_owner) return;  // a forked rank calling exit()
+  g_server->sock_.reset();
+  ::waitpid(g_server->pid_, nullptr, 0);
+  retire(g_server);
+}
+
+void ForkServer::retire(ForkServer* server) {
+  // Never deleted: whoever still holds it finds a closed socket. Kept reachable (for LeakSanitizer
+  // too) from a list of the retired.
+  server->retired_next_ = g_retired;
+  g_retired = server;
+  if (g_server == server) g_server = nullptr;
 }
 
 std::shared_ptr<ForkServer> ForkServer::attach(pid_t pid, int sock) {

@@ -27,8 +27,12 @@ class ForkServer {
  public:
   // The server init() started, or nullptr.
   static ForkServer* get();
-  // Forks the zygote. Called by init() only.
+  // Forks the zygote: called by init(), and by the Python package (at import, in a rank of
+  // notebook_launch's server). Nothing where there is one.
   static void start();
+  // Closes this process's zygote's socket (it exits) and reaps it; after it get() is nullptr.
+  // Run at exit; the Python server's ranks, which leave by _exit, call it first.
+  static void stop();
   // A fork server someone else started that speaks the same protocol (notebook_launch's Python
   // interpreter server, python/forkguard/_server.py): `sock` is duplicated, the caller keeps its
   // own. One object per server in this process, shared by whoever attaches while it lives (a
@@ -72,6 +76,7 @@ class ForkServer {
   pid_t request(const std::vector<std::string>& fields, int stdout_fd, int stderr_fd,
                 int extra_fd = -1);
   bool read_one(bool block);  // one message: exit reports are queued, a reply is stored
+  static void retire(ForkServer* server);  // get() no longer returns it
   // The zygote's socket is closed: reaps it and forks a new one (said on stderr; the notice is
   // returned), or throws SpawnError saying why it cannot (not the owner, CUDA state here).
   std::string replace_dead_zygote();
@@ -79,6 +84,7 @@ class ForkServer {
   pid_t pid_;
   forkguard::detail::UniqueFd sock_;
   bool attached_ = false;  // not ours to replace
+  ForkServer* retired_next_ = nullptr;
   std::mutex mutex_;
   std::vector<std::pair<pid_t, int>> exits_;
   ZygoteReply reply_;

@@ -247,3 +247,50 @@ def test_millions_of_carriage_return_updates_keep_memory_flat(monkeypatch):
     assert rec.text().endswith("[rank0]:%8d |##########| it/s\n" % 2_999_999)
     assert len(rec.text()) < 1 << 20, "at most one state per 30 ms is shown"
     assert grew < 16 << 10, f"peak RSS grew by {grew} kB over 3 million updates ({took:.1f} s)"
+
+
+def loader_after_cuinit(root):
+    """A rank that initializes CUDA (the test driver), then reads a batch with process workers."""
+    import ctypes
+
+    import torch
+
+    import forkguard
+
+    assert ctypes.CDLL(os.environ["FORKGUARD_TEST_FAKE_CUDA"]).cuInit(0) == 0
+    assert not forkguard.probe().fork_safe
+    loader = forkguard.ImageLoader(root, batch_size=4, workers=2, worker_kind="process", size=32,
+                                   dtype="uint8", train=False)
+    try:
+        labels = torch.from_dlpack(next(iter(loader))[1]).tolist()
+    finally:
+        loader.close()
+    zygote = forkguard._native.fork_server_pid()
+    with open(f"/proc/{zygote}/stat") as f:
+        parent = int(f.read().rsplit(")", 1)[1].split()[1])
+    return labels, zygote, parent, os.getpid()
+
+
+def test_process_workers_in_a_rank_of_a_server_that_preloaded_forkguard(images, fake_cuda_env):
+    # Preloaded in the server (which starts no C++ fork server of its own), forkguard is not
+    # imported again in a rank: the rank starts its fork server itself before the function runs,
+    # so process workers still come from a clean process once the function initialized CUDA.
+    # Without it they came from a guarded fork of the rank, refused ("fork is not safe here").
+    import torch
+
+    loader = forkguard.ImageLoader(images, batch_size=4, workers=2, size=32, dtype="uint8",
+                                   train=False)
+    reference = torch.from_dlpack(next(iter(loader))[1]).tolist()
+    loader.close()
+    forkguard.stop_server()
+    forkguard.start_server(preload=["torch", "forkguard"], wait=True)
+    try:
+        out = forkguard.notebook_launch(loader_after_cuinit, args=(str(images),), nproc=2)
+        for labels, zygote, parent, rank_pid in out:
+            assert labels == reference
+            assert parent == rank_pid  # the rank's own fork server
+            assert not os.path.exists(f"/proc/{zygote}")  # reaped by the rank before it left
+        assert server_children() == []
+    finally:
+        forkguard.stop_server()
+        forkguard.start_server(wait=True)
