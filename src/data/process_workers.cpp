@@ -610,8 +610,9 @@ std::unique_ptr<Workers> start_process_workers(const WorkerSetup& setup, Process
       throw DataError(fmt::format(
           "refusing to fork process workers: this process (PID {}) holds CUDA state ({}), and "
           "forked workers would fail at their first CUDA call. Start them from the fork server "
-          "(call forkguard::init() first in main() and give the dataset and transform a "
-          "describe()), or use thread workers",
+          "(C++: call forkguard::init() first in main() and give the dataset and transform a "
+          "describe(); Python: import forkguard before anything initializes CUDA, without "
+          "FORKGUARD_NO_FORK_SERVER), or use thread workers",
           ::getpid(), dirty));
     }
   }

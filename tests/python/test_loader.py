@@ -244,3 +244,26 @@ def test_a_dead_fork_server_is_reaped_and_replaced(images, capfd):
         os.waitpid(old, os.WNOHANG)  # reaped: no zombie left
     assert f"the fork server (PID {old}) died (killed by signal 9 (SIGKILL)); started a new " \
            f"one (PID {new})" in capfd.readouterr().err
+
+
+def test_process_workers_refused_after_cuinit_say_how_a_python_program_gets_them(images,
+                                                                                 fake_cuda_env):
+    # No fork server (disabled here; elsewhere: forkguard imported after CUDA was initialized):
+    # a guarded fork refuses, with the evidence and what to do in Python, not only in C++.
+    script = (
+        "import ctypes, os, sys\n"
+        "import forkguard\n"
+        "assert ctypes.CDLL(os.environ['FORKGUARD_TEST_FAKE_CUDA']).cuInit(0) == 0\n"
+        "try:\n"
+        "    loader = forkguard.ImageLoader(sys.argv[1], batch_size=4, workers=2,\n"
+        "                                   worker_kind='process', size=32)\n"
+        "    next(iter(loader))\n"
+        "except forkguard.DataError as e:\n"
+        "    print(e)\n")
+    out = subprocess.run(["/usr/bin/python3", "-c", script, str(images)], capture_output=True,
+                         text=True, timeout=120,
+                         env={**os.environ, "FORKGUARD_NO_FORK_SERVER": "1"})
+    assert out.returncode == 0, out.stderr
+    assert "refusing to fork process workers: this process (PID" in out.stdout
+    assert "holds CUDA state (initialized" in out.stdout
+    assert "Python: import forkguard before anything initializes CUDA" in out.stdout
