@@ -206,6 +206,7 @@ struct ChildPlan {
   int early_report_fd;  // and before
   pid_t parent;
   pid_t parent_group;
+  bool by_main_thread;  // forked by the parent's main thread (see the parent-death signal)
 };
 
 // The one fork() call site of forkguard (the trace library's interposers aside).
@@ -495,7 +496,13 @@ int kill_and_reap_all(pid_t program, int status, bool have_status) noexcept {
     }
     ::sigprocmask(SIG_SETMASK, &all, nullptr);
   }
-  const int death_signal = o.reap_tree ? SIGTERM : o.parent_death_signal;
+  // The kernel sends the parent-death signal when the thread that forked ends, not the process.
+  // A reaper gets it whichever thread forked it (without it a SIGKILLed parent would leave a
+  // whole tree). Another child gets it only from a fork by the parent's main thread, whose end
+  // is the process's: forked by another thread (a DataLoader iterated in a thread, its
+  // persistent workers used after that thread ended) it would die with that thread; it learns of
+  // its parent's death from its own channels instead (EOF on its socket), as torch's workers do.
+  const int death_signal = o.reap_tree ? SIGTERM : (p.by_main_thread ? o.parent_death_signal : 0);
   if (death_signal != 0) {
     if (::prctl(PR_SET_PDEATHSIG, death_signal) != 0) fail(early_fd, kStepParentDeath, errno);
     if (::getppid() != p.parent) ::_exit(1);  // it died before the signal was armed
@@ -549,8 +556,14 @@ Child start_child(const ChildOptions& o) {
   const int report_at = o.close_other_fds || taken ? top + 1 : report_w.get();
   mappings.push_back({report_w.get(), report_at, true});
   const std::vector<FdStep> steps = plan_fds(std::move(mappings), o.close_other_fds);
-  const ChildPlan plan{&o,         steps.data(), steps.size(), report_at, report_w.get(),
-                       ::getpid(), ::getpgrp()};
+  const ChildPlan plan{&o,
+                       steps.data(),
+                       steps.size(),
+                       report_at,
+                       report_w.get(),
+                       ::getpid(),
+                       ::getpgrp(),
+                       ::gettid() == ::getpid()};
   if (o.main) std::fflush(nullptr);  // nothing buffered is written twice (an exec drops it)
   const pid_t pid = fork_process();
   if (pid < 0) {

@@ -105,7 +105,9 @@ struct ChildOptions {
   bool close_other_fds = true;        // false: the child keeps what the parent had open
   std::vector<int> close_fds{};       // closed in the child anyway (with close_other_fds false)
   ProcessGroup group = ProcessGroup::kNew;
-  int parent_death_signal = SIGKILL;      // 0: none
+  // 0: none. Armed only when the parent's main thread forks (the kernel sends it when the forking
+  // thread ends); a reaper (reap_tree) gets SIGTERM from any thread.
+  int parent_death_signal = SIGKILL;
   const sigset_t* signal_mask = nullptr;  // the child's mask; nullptr: none blocked
   const char* name = nullptr;             // comm (15 characters) for ps; must outlive start_child
   bool reap_tree = false;                 // run under a subreaper that kills what is left

@@ -293,3 +293,36 @@ TEST_F(Child, WhenItsParentDiesTheReaperKillsTheTree) {
     if (ft::is_alive(p)) ::kill(p, SIGKILL);
   }
 }
+
+TEST_F(Child, AChildOfTheMainThreadDiesWithItsParent) {
+  Pipe out;
+  pid_t middle = ::fork();  // its one thread is its main thread
+  if (middle == 0) {
+    auto exec = sh("echo $$; exec sleep 60");
+    auto c = fd::start_child({.exec = &exec, .stdout_fd = out.w.get()});
+    c.release();
+    ::pause();
+    ::_exit(0);
+  }
+  out.w.reset();
+  const pid_t child = std::stoi(out.line());
+  ::kill(middle, SIGKILL);
+  ::waitpid(middle, nullptr, 0);
+  wait_until_gone({child}, 1s);
+  EXPECT_FALSE(ft::is_alive(child)) << "the parent-death signal was not armed";
+  if (ft::is_alive(child)) ::kill(child, SIGKILL);
+}
+
+TEST_F(Child, AChildOutlivesTheThreadThatStartedIt) {
+  // The kernel sends the parent-death signal when the forking thread ends: a child started by
+  // another thread (persistent DataLoader workers of an iterator made in a thread) must not be
+  // killed with that thread. It was (killed by SIGKILL as the thread returned).
+  fd::Child c;
+  std::thread([&] {
+    auto exec = sh("exec sleep 60");
+    c = fd::start_child({.exec = &exec, .stop = {.signal = SIGKILL}});
+  }).join();
+  std::this_thread::sleep_for(200ms);
+  ASSERT_TRUE(ft::is_alive(c.pid())) << "killed when the thread that started it ended";
+  EXPECT_EQ(c.stop().signal, SIGKILL);  // stopped by us, not by the thread's end
+}

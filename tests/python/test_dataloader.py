@@ -665,6 +665,53 @@ def test_dropping_a_loader_or_iterator_mid_epoch_leaves_nothing(script, start):
     assert set(after["shm"]) - set(before["shm"]) == set()
 
 
+THREADS = '''
+import threading
+
+
+class Numbers(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return torch.tensor(i)
+
+
+# Each epoch iterated in a thread of its own (the BackgroundGenerator pattern of prefetching
+# libraries), the persistent workers kept from one thread to the next, then the main thread.
+ld = forkguard.DataLoader(Numbers(), batch_size=2, num_workers=2, persistent_workers=True,
+                          worker_start=sys.argv[1])
+epochs, errors, pids = [], [], []
+
+
+def epoch():
+    try:
+        epochs.append([b.tolist() for b in ld])
+        pids.append(sorted(w.pid for w in ld._iterator._workers))
+    except Exception as e:
+        errors.append(f"{type(e).__name__}: {e}")
+
+
+for _ in range(2):
+    t = threading.Thread(target=epoch)
+    t.start()
+    t.join()
+    time.sleep(0.3)  # the thread is gone: its children, when they die with it, are dead by now
+epoch()
+result(epochs=epochs, errors=errors, pids=pids)
+'''
+
+
+@pytest.mark.parametrize("start", STARTS)
+def test_persistent_workers_outlive_the_thread_that_started_them(script, start):
+    # The parent-death signal comes when the thread that forked ends: forked workers died with
+    # the first epoch's thread ("DataLoader worker (pid N) is killed by signal: Killed").
+    _, r = script(THREADS, args=[start])
+    assert r["errors"] == []
+    assert r["epochs"] == [[[0, 1], [2, 3], [4, 5], [6, 7]]] * 3
+    assert r["pids"][0] == r["pids"][1] == r["pids"][2]  # the same workers all along
+
+
 AT_EXIT = '''
 class Images(Dataset):
     def __init__(self, bad):
