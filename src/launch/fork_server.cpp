@@ -234,8 +234,15 @@ void ForkServer::start() {
 
 void ForkServer::stop() {
   if (g_server == nullptr || ::getpid() != g_owner) return;  // a forked rank calling exit()
+  const pid_t pid = g_server->pid_;
+  const forkguard::detail::UniqueFd pidfd(static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)));
   g_server->sock_.reset();
-  ::waitpid(g_server->pid_, nullptr, 0);
+  // EOF ends it at once, unless a child of ours that is not forkguard's (an os.fork() left
+  // running) holds a copy of the socket: then it is killed (it holds no state; what it forked
+  // dies with it) rather than waited for.
+  pollfd q{pidfd.get(), POLLIN, 0};
+  if (pidfd.get() < 0 || ::poll(&q, 1, 1000) <= 0) ::kill(pid, SIGKILL);
+  ::waitpid(pid, nullptr, 0);
   retire(g_server);
 }
 

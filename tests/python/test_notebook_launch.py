@@ -271,7 +271,17 @@ def loader_after_cuinit(root):
     return labels, zygote, parent, os.getpid()
 
 
-def test_process_workers_in_a_rank_of_a_server_that_preloaded_forkguard(images, fake_cuda_env):
+@pytest.fixture()
+def forkguard_preloaded():
+    forkguard.stop_server()
+    forkguard.start_server(preload=["torch", "forkguard"], wait=True)
+    yield
+    forkguard.stop_server()
+    forkguard.start_server(wait=True)
+
+
+def test_process_workers_in_a_rank_of_a_server_that_preloaded_forkguard(images, fake_cuda_env,
+                                                                        forkguard_preloaded):
     # Preloaded in the server (which starts no C++ fork server of its own), forkguard is not
     # imported again in a rank: the rank starts its fork server itself before the function runs,
     # so process workers still come from a clean process once the function initialized CUDA.
@@ -282,15 +292,38 @@ def test_process_workers_in_a_rank_of_a_server_that_preloaded_forkguard(images, 
                                    train=False)
     reference = torch.from_dlpack(next(iter(loader))[1]).tolist()
     loader.close()
-    forkguard.stop_server()
-    forkguard.start_server(preload=["torch", "forkguard"], wait=True)
-    try:
-        out = forkguard.notebook_launch(loader_after_cuinit, args=(str(images),), nproc=2)
-        for labels, zygote, parent, rank_pid in out:
-            assert labels == reference
-            assert parent == rank_pid  # the rank's own fork server
-            assert not os.path.exists(f"/proc/{zygote}")  # reaped by the rank before it left
-        assert server_children() == []
-    finally:
-        forkguard.stop_server()
-        forkguard.start_server(wait=True)
+    out = forkguard.notebook_launch(loader_after_cuinit, args=(str(images),), nproc=2)
+    for labels, zygote, parent, rank_pid in out:
+        assert labels == reference
+        assert parent == rank_pid  # the rank's own fork server
+        assert not os.path.exists(f"/proc/{zygote}")  # reaped by the rank before it left
+    assert server_children() == []
+
+
+def leaves_a_fork_running():
+    pid = os.fork()  # holds a copy of every fd of the rank's, its fork server's socket too
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    return pid
+
+
+def test_a_rank_that_leaves_a_fork_running_still_ends_at_once(forkguard_preloaded):
+    # The rank stops its fork server before it leaves: EOF cannot reach the server while the
+    # fork holds the socket, so after a second it is killed rather than waited for (30 s).
+    t0 = time.monotonic()
+    [pid] = forkguard.notebook_launch(leaves_a_fork_running, nproc=1)
+    assert time.monotonic() - t0 < 5
+
+    def gone():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            return True
+
+    deadline = time.monotonic() + 5
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gone()  # the rank's group was stopped with it
+    assert server_children() == []
