@@ -8,7 +8,9 @@
    copy that keeps the stream busy, and dropped at once; the loader's later copies into the same
    device buffer must wait for that work (the bytes read back equal the host loader's). Streams
    0 and -2 are refused (DLPack).
-3. forkguard.notebook_launch after this process initialized CUDA: every rank's cuInit succeeds.
+3. forkguard.notebook_launch after this process initialized CUDA: every rank's cuInit succeeds;
+   with forkguard preloaded in the server, a rank that initialized CUDA reads batches onto the
+   device with process workers (from the rank's own fork server).
 4. forkguard.DataLoader after this process initialized CUDA, over a Dataset whose __getitem__
    calls cuInit: the workers come from the clean fork server, every cuInit returns 0, one
    CudaInWorkerWarning names __getitem__; with cuda_in_workers="error", CudaInWorkerError does.
@@ -114,6 +116,20 @@ def rank_init():
     return c.CDLL(o.environ.get("FORKGUARD_CUDA_DRIVER", "libcuda.so.1")).cuInit(0)
 
 
+def rank_process_loader(root):
+    """In a rank: CUDA first, then a device loader with process workers; (batches, cuInit)."""
+    import ctypes as c
+    import os as o
+
+    import forkguard as fg
+    rc = c.CDLL(o.environ.get("FORKGUARD_CUDA_DRIVER", "libcuda.so.1")).cuInit(0)
+    loader = fg.ImageLoader(root, batch_size=16, workers=2, worker_kind="process", seed=5,
+                            device="cuda")
+    n = sum(1 for x, _ in loader if x.__dlpack_device__() == (2, 0))
+    loader.close()
+    return n, rc
+
+
 class CudaTouching:
     """A Dataset whose samples initialize CUDA in the worker (as `.cuda()` in __getitem__)."""
 
@@ -213,10 +229,15 @@ def main():
                 failures.append(f"{kind}: device batches differ from the host batches")
             print(f"  ImageLoader device='cuda', {kind} workers: {len(got)} batches compared")
         record_stream_check(lib, root, failures)
-    ranks = forkguard.notebook_launch(rank_init, nproc=2)
-    print(f"  notebook_launch after the parent's cuInit: ranks' cuInit returned {ranks}")
-    if ranks != [0, 0]:
-        failures.append(f"notebook_launch ranks' cuInit returned {ranks}")
+        ranks = forkguard.notebook_launch(rank_init, nproc=2)
+        print(f"  notebook_launch after the parent's cuInit: ranks' cuInit returned {ranks}")
+        if ranks != [0, 0]:
+            failures.append(f"notebook_launch ranks' cuInit returned {ranks}")
+        forkguard.start_server(preload=["forkguard"], wait=True)
+        ranks = forkguard.notebook_launch(rank_process_loader, args=(root,), nproc=2)
+        print(f"  notebook_launch, forkguard preloaded: (device batches, cuInit) {ranks}")
+        if ranks != [(3, 0), (3, 0)]:
+            failures.append(f"notebook_launch process loader on the device: {ranks}")
     dataloader_check(failures)
     pin_memory_check(lib, failures)
     forkguard.stop_server()
