@@ -13,8 +13,9 @@
 // every descendant that is left when the program exits or when the reaper's parent dies (kill -9
 // included), setsid()'d ones too.
 //
-// Thread-safety: start_child may be called from any thread; a Child has one owner. The
-// parent-death signal is tied to the thread that calls start_child (Linux semantics).
+// Thread-safety: start_child may be called from any thread; a Child has one owner. Linux ties the
+// parent-death signal to the thread that forks, so it is armed only for a fork by the main thread
+// (and always for a reaper): see ChildOptions::parent_death_signal.
 #pragma once
 
 #include <signal.h>

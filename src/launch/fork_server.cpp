@@ -42,7 +42,7 @@ namespace {
 
 ForkServer* g_server = nullptr;
 pid_t g_owner = 0;                // the process that started the zygote (its parent)
-ForkServer* g_retired = nullptr;  // stopped: see retire()
+ForkServer* g_retired = nullptr;  // stopped: see stop()
 
 using forkguard::detail::kMaxFds;
 using forkguard::detail::recv_message;
@@ -243,15 +243,11 @@ void ForkServer::stop() {
   pollfd q{pidfd.get(), POLLIN, 0};
   if (pidfd.get() < 0 || ::poll(&q, 1, 1000) <= 0) ::kill(pid, SIGKILL);
   ::waitpid(pid, nullptr, 0);
-  retire(g_server);
-}
-
-void ForkServer::retire(ForkServer* server) {
   // Never deleted: whoever still holds it finds a closed socket. Kept reachable (for LeakSanitizer
-  // too) from a list of the retired.
-  server->retired_next_ = g_retired;
-  g_retired = server;
-  if (g_server == server) g_server = nullptr;
+  // too) from a list of the stopped.
+  g_server->retired_next_ = g_retired;
+  g_retired = g_server;
+  g_server = nullptr;
 }
 
 std::shared_ptr<ForkServer> ForkServer::attach(pid_t pid, int sock) {

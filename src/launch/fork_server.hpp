@@ -76,15 +76,14 @@ class ForkServer {
   pid_t request(const std::vector<std::string>& fields, int stdout_fd, int stderr_fd,
                 int extra_fd = -1);
   bool read_one(bool block);  // one message: exit reports are queued, a reply is stored
-  static void retire(ForkServer* server);  // get() no longer returns it
   // The zygote's socket is closed: reaps it and forks a new one (said on stderr; the notice is
   // returned), or throws SpawnError saying why it cannot (not the owner, CUDA state here).
   std::string replace_dead_zygote();
 
   pid_t pid_;
   forkguard::detail::UniqueFd sock_;
-  bool attached_ = false;  // not ours to replace
-  ForkServer* retired_next_ = nullptr;
+  bool attached_ = false;               // not ours to replace
+  ForkServer* retired_next_ = nullptr;  // the list of stopped servers (stop())
   std::mutex mutex_;
   std::vector<std::pair<pid_t, int>> exits_;
   ZygoteReply reply_;

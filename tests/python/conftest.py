@@ -86,6 +86,15 @@ def marked_pids(marker: str):
     return found
 
 
+def pid_gone(pid: int) -> bool:
+    """Whether `pid` has exited: no such process, or a zombie not yet reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def server_children():
     """The PIDs of the interpreter fork server's children (notebook_launch's ranks...)."""
     import forkguard

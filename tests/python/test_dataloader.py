@@ -202,8 +202,8 @@ def script(fake_cuda_env, tmp_path, monkeypatch):
     def run(body, args=(), expect_rc=0, shm=None, timeout=120, exit_within=None,
             peer_may_leave=None):
         """`peer_may_leave`: a pattern of the file names a peer (PyTorch's own DataLoader) is
-        known to leave in the private /dev/shm in this run; they are the peer's result, given
-        back as `out.peer_left`, and not held against forkguard. Everything else still fails."""
+        known to leave in the private /dev/shm in this run; they are the peer's result, not held
+        against forkguard. Everything else still fails."""
         path = tmp_path / f"script{len(runs)}.py"
         path.write_text(PRELUDE + textwrap.dedent(body))
         cmd = [sys.executable, str(path), *map(str, args)]
@@ -241,13 +241,10 @@ def script(fake_cuda_env, tmp_path, monkeypatch):
             raise
         out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, err_path.read_text())
         runs.append(out)
-        out.peer_left = []
         if listing.exists():
-            for name in listing.read_text().split():
-                if peer_may_leave is not None and re.fullmatch(peer_may_leave, name):
-                    out.peer_left.append(name)
-                else:
-                    left_in_private_shm.append(name)
+            left_in_private_shm.extend(
+                name for name in listing.read_text().split()
+                if peer_may_leave is None or not re.fullmatch(peer_may_leave, name))
         if expect_rc is not None:
             assert out.returncode == expect_rc, out.stdout + out.stderr
         found = [line[len("RESULT "):] for line in out.stdout.splitlines()

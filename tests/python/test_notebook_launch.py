@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from conftest import server_children
+from conftest import pid_gone, server_children
 
 import forkguard
 
@@ -130,7 +130,7 @@ def test_two_noop_ranks_in_under_100_ms():
 def test_nothing_left_running_after_stop():
     pid = forkguard._launch._server.pid
     forkguard.stop_server()
-    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    assert pid_gone(pid)
     forkguard.start_server(wait=True)
 
 
@@ -314,16 +314,8 @@ def test_a_rank_that_leaves_a_fork_running_still_ends_at_once(forkguard_preloade
     t0 = time.monotonic()
     [pid] = forkguard.notebook_launch(leaves_a_fork_running, nproc=1)
     assert time.monotonic() - t0 < 5
-
-    def gone():
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-        except FileNotFoundError:
-            return True
-
     deadline = time.monotonic() + 5
-    while not gone() and time.monotonic() < deadline:
+    while not pid_gone(pid) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert gone()  # the rank's group was stopped with it
+    assert pid_gone(pid)  # the rank's group was stopped with it
     assert server_children() == []
