@@ -19,9 +19,10 @@ workers then come from a guarded fork, refused once CUDA is initialized here.
 FORKGUARD_GUARD=reroute|refuse|warn calls guard() with that policy at import.
 """
 import os as _os
+import sys as _sys
 
 from . import _native
-from . import _guard
+from . import _guard, _torch_compat
 from ._guard import DirtyForkWarning, RerouteError, guard, unguard
 from ._accelerate import notebook_launcher
 from ._launch import RankError, default_preload, notebook_launch, start_server, stop_server
@@ -42,6 +43,9 @@ if not _os.environ.get("FORKGUARD_NO_FORK_SERVER"):
     _native.start_fork_server()
 
 _guard.guard_from_environment()
+
+if not _os.path.basename(_sys.argv[0] if _sys.argv else "").startswith("_server"):
+    _torch_compat.warn_if_untested()  # once, here, not in forkguard's own fork server
 
 
 def __getattr__(name):

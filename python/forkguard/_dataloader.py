@@ -27,7 +27,7 @@ from torch.utils.data import IterDataPipe, MapDataPipe
 from torch.utils.data import dataloader as _torch_dl
 from torch.utils.data.dataloader import DataLoader as _TorchDataLoader
 
-from . import _batch_codec, _dataloader_worker, _native
+from . import _batch_codec, _dataloader_worker, _native, _torch_compat
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -66,11 +66,10 @@ class DataLoader(_TorchDataLoader[T_co]):
     skipped, and the Pss of this process and of the workers.
     """
 
-    def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
-                 num_workers=0, collate_fn=None, pin_memory=False, drop_last=False, timeout=0,
-                 worker_init_fn=None, multiprocessing_context=None, generator=None, *,
-                 prefetch_factor=2, persistent_workers=False, pin_memory_device="",
-                 worker_start="auto", cuda_in_workers="warn", seed=None, bad_sample="error"):
+    def __init__(self, dataset, *args, worker_start="auto", cuda_in_workers="warn", seed=None,
+                 bad_sample="error", **kwargs):
+        # torch's own parameters (its signature is this class's: see below) go to torch's
+        # constructor as given, so their defaults, checks and messages are the installed torch's.
         for name, value, allowed in (("worker_start", worker_start, _WORKER_STARTS),
                                      ("cuda_in_workers", cuda_in_workers, _CUDA_POLICIES),
                                      ("bad_sample", bad_sample, _BAD_SAMPLE)):
@@ -87,11 +86,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         self._resume = None  # a state to resume from, at the next pass's start
         self._live = None  # weak reference to the iterator of the current pass
         self.stats = {"epochs": []}
-        super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers,
-                         collate_fn, pin_memory, drop_last, timeout, worker_init_fn,
-                         multiprocessing_context, generator, prefetch_factor=prefetch_factor,
-                         persistent_workers=persistent_workers,
-                         pin_memory_device=pin_memory_device)
+        super().__init__(dataset, *args, **kwargs)
 
     def _get_iterator(self):
         if self.num_workers == 0:
@@ -134,6 +129,9 @@ class DataLoader(_TorchDataLoader[T_co]):
             self._iterator._shutdown_workers()
             self._iterator = None
 
+
+DataLoader.__init__.__signature__ = _torch_compat.loader_signature(_TorchDataLoader.__init__,
+                                                                 DataLoader.__init__)
 
 _live_iterators = weakref.WeakSet()
 _frozen_by = 0  # iterators with forked workers running
@@ -412,6 +410,7 @@ class _WorkerProcess:
 class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
     def __init__(self, loader):
         super().__init__(loader)
+        self._prefetch_factor, self._in_order = _torch_compat.worker_settings(loader)
         assert self._num_workers > 0 and self._prefetch_factor > 0
         self._shutdown = True  # until the workers started
         self._frozen = False

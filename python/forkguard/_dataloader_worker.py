@@ -22,7 +22,7 @@ from torch.utils.data import IterDataPipe, _DatasetKind, get_worker_info
 from torch.utils.data._utils import signal_handling
 from torch.utils.data._utils import worker as _torch_worker
 
-from . import _batch_codec
+from . import _batch_codec, _torch_compat
 
 # The kinds of src/data/job_workers.hpp's JobKind.
 OK, ERROR, END, CUDA = 0, 1, 2, 3
@@ -152,12 +152,15 @@ class StackBuffers:
     def __init__(self):
         self.free = {}
         self.used = []
+        self.torch_collate = _torch_compat.torch_collate_tensor_fn()
 
     def collate(self, batch, *, collate_fn_map=None):
         elem = batch[0]
         if elem.layout != torch.strided or elem.is_nested or elem.device.type != "cpu" or \
                 any(x.requires_grad for x in batch):
-            return torch.stack(batch, 0)
+            # torch's own, with its errors for what default_collate cannot batch (nested and
+            # sparse tensors)
+            return self.torch_collate(batch, collate_fn_map=collate_fn_map)
         key = ((len(batch),) + tuple(elem.shape), elem.dtype)
         spare = self.free.get(key)
         out = spare.pop() if spare else torch.empty(key[0], dtype=elem.dtype)
@@ -201,7 +204,7 @@ class Worker:
             pass
         self.shared_rng = torch.Generator()
         self.dataset = self._seeded(spec["dataset"], spec["shared_seed"])
-        _torch_worker._worker_info = _torch_worker.WorkerInfo(
+        _torch_worker._worker_info = _torch_compat.worker_info(
             id=worker_id, num_workers=spec["num_workers"], seed=seed, dataset=self.dataset)
         self.init_exception = None
         self.guard = None
@@ -254,7 +257,8 @@ class Worker:
             self.iteration_end = False
             self.epoch = request[2]
             self.dataset = self._seeded(self.dataset, request[1])
-            _torch_worker._worker_info.__dict__["dataset"] = self.dataset
+            _torch_worker._worker_info = _torch_compat.worker_info_with(
+                _torch_worker._worker_info, dataset=self.dataset)
             if self.init_exception is None:
                 self._fetcher()
             return OK, _batch_codec.encode((None, None), slot.reserve), ""

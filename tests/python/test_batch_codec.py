@@ -1,5 +1,6 @@
 """forkguard._batch_codec: a collated batch written into a slot and rebuilt as views of it."""
 import collections
+import contextlib
 import dataclasses
 import gc
 import importlib.util
@@ -9,6 +10,7 @@ import pathlib
 import random
 import struct
 import time
+import warnings
 import weakref
 
 import numpy as np
@@ -125,9 +127,19 @@ def test_non_contiguous_leaves_become_contiguous_payloads():
             assert got.flags.c_contiguous and np.array_equal(got, want)
 
 
+@contextlib.contextmanager
+def made_quietly():
+    """Where a test makes its input, torch's own warnings about that input are not the codec's
+    (the codec's own still fail the test: it runs outside)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        yield
+
+
 def test_leaves_a_view_cannot_carry_travel_in_the_skeleton():
     grad = torch.randn(3, requires_grad=True)
-    sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,))
+    with made_quietly():  # torch 2.x warns once that it does not check a sparse tensor's indices
+        sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,))
     param = torch.nn.Parameter(torch.ones(2))
     objects = np.array([1, "two", None], dtype=object)
     swapped = np.arange(5, dtype=">i4")
@@ -145,10 +157,15 @@ def test_leaves_a_view_cannot_carry_travel_in_the_skeleton():
 
 def test_quantized_tensor_travels_in_the_skeleton():
     try:
-        q = torch.quantize_per_tensor(torch.tensor([0.5, 1.0]), 0.1, 0, torch.quint8)
+        with made_quietly():  # deprecated in torch 2.14 (still there: it must still travel)
+            q = torch.quantize_per_tensor(torch.tensor([0.5, 1.0]), 0.1, 0, torch.quint8)
     except RuntimeError as e:
         pytest.skip(f"no quantized CPU backend: {e}")
-    _, out = round_trip([q])
+    with warnings.catch_warnings():
+        # torch 2.x's own unpickling of a quantized tensor warns that TypedStorage is deprecated
+        # (plain pickle.loads does too): torch's warning, not the codec's, which still fail.
+        warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
+        _, out = round_trip([q])
     assert out[0].is_quantized and torch.equal(out[0].dequantize(), q.dequantize())
 
 
