@@ -74,9 +74,9 @@ def _cloud_skeleton_pickler():
     loader's process can resolve."""
     global _cloud_pickler
     if _cloud_pickler is None:
-        import cloudpickle
+        from . import _by_value
 
-        class CloudSkeletonPickler(_SkeletonPickler, cloudpickle.Pickler):
+        class CloudSkeletonPickler(_SkeletonPickler, _by_value.Pickler):
             pass
 
         _cloud_pickler = CloudSkeletonPickler

@@ -330,10 +330,10 @@ def _start_method(loader):
 
 def _dumps(spec):
     """cloudpickle of the workers' spec; an error names the attribute that cannot travel."""
-    import cloudpickle
+    from . import _by_value
 
     try:
-        return cloudpickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
+        return _by_value.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:  # noqa: BLE001 - re-raised with the path to what failed
         path = _unpicklable_path(spec, "", set())
         raise TypeError(
@@ -541,7 +541,8 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
             if self._shutdown:
                 raise StopIteration
             self._fill()
-            r = self._queue.next(self._timeout if self._timeout > 0 else None)
+            r = self._queue.next(self._timeout if self._timeout > 0 else None,
+                                 in_order=self._in_order)
             if r is None:
                 self._end_pass(self._fg_stats, self._queue.pids())
                 if not self._persistent_workers:

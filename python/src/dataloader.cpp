@@ -167,13 +167,13 @@ struct Queue {
     return py::make_tuple(q->submit(next, n), next.worker);
   }
 
-  py::object next(std::optional<double> timeout) {
+  py::object next(std::optional<double> timeout, bool in_order) {
     std::optional<fdd::JobResult> r;
     {
       py::gil_scoped_release nogil;
       std::optional<std::chrono::milliseconds> t;
       if (timeout) t = std::chrono::milliseconds(static_cast<long long>(*timeout * 1000));
-      r = q->next(t);
+      r = q->next(t, in_order ? fdd::JobQueue::Order::kJobs : fdd::JobQueue::Order::kDone);
     }
     if (!r) return py::none();
     switch (r->kind) {
@@ -223,7 +223,7 @@ void bind_dataloader(py::module_& m) {
       .def("await_started", &Queue::await_started)
       .def("wants_job", [](const Queue& s) { return s.q->wants_job(); })
       .def("submit", &Queue::submit, py::arg("data"), py::arg("worker") = -1)
-      .def("next", &Queue::next, py::arg("timeout") = py::none())
+      .def("next", &Queue::next, py::arg("timeout") = py::none(), py::arg("in_order") = true)
       .def("reactivate", [](Queue& s) { s.q->reactivate(); })
       .def("pid", [](const Queue& s, int w) { return s.q->pid(w); })
       .def("pids", [](const Queue& s) { return s.q->pids(); })

@@ -294,31 +294,14 @@ class JobQueue::Impl : public JobSlot {
     return job;
   }
 
-  std::optional<JobResult> next(std::optional<std::chrono::milliseconds> timeout) {
+  std::optional<JobResult> next(std::optional<std::chrono::milliseconds> timeout,
+                                JobQueue::Order order) {
     const auto deadline = timeout ? std::optional(Clock::now() + *timeout) : std::nullopt;
     while (true) {
-      // Jobs of workers that ended their pass are skipped (torch's DataLoader does the same);
-      // their slots stay the worker's until it answers them.
-      // A worker's death is reported where the delivery order reaches its first job not done:
-      // every batch before that one comes first, whichever worker made it.
-      while (!jobs_.empty()) {
-        auto it = jobs_.begin();
-        const int w = it->second.worker;
-        if (it->second.done || procs_[static_cast<size_t>(w)].active) break;
-        if (auto d = deaths_.find(w); d != deaths_.end()) return report_death(d);
-        skipped_[it->first] = it->second;
-        jobs_.erase(it);
-      }
-      if (jobs_.empty()) {
-        if (!deaths_.empty()) return report_death(deaths_.begin());  // it died holding nothing
-        return std::nullopt;
-      }
+      Now now = order == JobQueue::Order::kJobs ? deliverable_in_order() : deliverable_done();
+      if (now.what == Now::kNothingInFlight) return std::nullopt;
+      if (now.what == Now::kResult) return std::move(now.result);
       auto& [job, j] = *jobs_.begin();
-      if (j.done) {
-        JobResult r = std::move(j.result);
-        jobs_.erase(jobs_.begin());
-        return r;
-      }
       auto polled = poll_one(deadline);
       if (polled.timeout) {
         return JobResult{.kind = JobResult::Kind::kTimeout,
@@ -328,6 +311,62 @@ class JobQueue::Impl : public JobSlot {
       }
       if (polled.died) deaths_.emplace(polled.died->worker, std::move(*polled.died));
     }
+  }
+
+  // What next() can deliver without waiting.
+  struct Now {
+    enum { kWait, kNothingInFlight, kResult } what = kWait;
+    JobResult result{};
+  };
+
+  // In job order.
+  Now deliverable_in_order() {
+    // Jobs of workers that ended their pass are skipped (torch's DataLoader does the same);
+    // their slots stay the worker's until it answers them.
+    // A worker's death is reported where the delivery order reaches its first job not done:
+    // every batch before that one comes first, whichever worker made it.
+    while (!jobs_.empty()) {
+      auto it = jobs_.begin();
+      const int w = it->second.worker;
+      if (it->second.done || procs_[static_cast<size_t>(w)].active) break;
+      if (auto d = deaths_.find(w); d != deaths_.end()) return {Now::kResult, report_death(d)};
+      skipped_[it->first] = it->second;
+      jobs_.erase(it);
+    }
+    if (jobs_.empty()) {
+      if (!deaths_.empty()) return {Now::kResult, report_death(deaths_.begin())};  // held none
+      return {Now::kNothingInFlight};
+    }
+    if (jobs_.begin()->second.done) {
+      JobResult r = std::move(jobs_.begin()->second.result);
+      jobs_.erase(jobs_.begin());
+      return {Now::kResult, std::move(r)};
+    }
+    return {};
+  }
+
+  // The same out of order (torch's in_order=False): the first job done, wherever it is; a death
+  // once no result done is left to deliver before it.
+  Now deliverable_done() {
+    for (auto it = jobs_.begin(); it != jobs_.end();) {
+      const int w = it->second.worker;
+      if (!it->second.done && !procs_[static_cast<size_t>(w)].active && !deaths_.contains(w)) {
+        skipped_[it->first] = it->second;
+        it = jobs_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    for (auto it = jobs_.begin(); it != jobs_.end(); ++it) {
+      if (it->second.done) {
+        JobResult r = std::move(it->second.result);
+        jobs_.erase(it);
+        return {Now::kResult, std::move(r)};
+      }
+    }
+    if (!deaths_.empty()) return {Now::kResult, report_death(deaths_.begin())};
+    if (jobs_.empty()) return {Now::kNothingInFlight};
+    return {};
   }
 
   JobResult report_death(std::map<int, JobResult>::iterator d) {
@@ -699,8 +738,9 @@ JobQueue::Next JobQueue::next_slot(int worker) {
 uint64_t JobQueue::submit(const Next& next, size_t input_bytes) {
   return impl_->submit(next, input_bytes);
 }
-std::optional<JobResult> JobQueue::next(std::optional<std::chrono::milliseconds> timeout) {
-  return impl_->next(timeout);
+std::optional<JobResult> JobQueue::next(std::optional<std::chrono::milliseconds> timeout,
+                                        Order order) {
+  return impl_->next(timeout, order);
 }
 void JobQueue::release(int slot) {
   impl_->release(slot);

@@ -159,8 +159,11 @@ class JobQueue {
 
   // The next job's result in job order (jobs of workers that ended are skipped); nullopt when no
   // job is in flight. kTimeout: `timeout` passed first (the job waits on); kDied: a worker died
-  // (the queue is then stopped).
-  std::optional<JobResult> next(std::optional<std::chrono::milliseconds> timeout);
+  // (the queue is then stopped). Out of order (torch's DataLoader(in_order=False)): the first
+  // result done, whichever job it is, and a death once every result done before it is delivered.
+  enum class Order { kJobs, kDone };
+  std::optional<JobResult> next(std::optional<std::chrono::milliseconds> timeout,
+                                Order order = Order::kJobs);
   // The result's slot back to its worker. Any thread; the last holder of a result calls it.
   void release(int slot);
   // The slot's memory as the loader maps it (valid until release()).

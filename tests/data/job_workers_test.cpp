@@ -216,6 +216,35 @@ TEST_F(JobQueue, ADeathIsReportedInJobOrderAfterEveryEarlierResult) {
   EXPECT_EQ(r->held, std::vector<uint64_t>{2u});
 }
 
+// torch's DataLoader(in_order=False): a slow job does not hold back the results done after it;
+// it comes when done, and a death is reported once the results done before it are delivered.
+TEST_F(JobQueue, OutOfOrderTheFirstResultDoneComesFirst) {
+  fdd::JobQueue q(options(2));
+  q.await_started();
+  const auto done_first = fdd::JobQueue::Order::kDone;
+  submit(q, "sleep 400", 0);  // 0 -> worker 0
+  submit(q, "b", 1);          // 1 -> worker 1
+  submit(q, "c", 1);          // 2 -> worker 1
+  std::vector<uint64_t> order;
+  for (int k = 0; k < 3; ++k) {
+    auto r = q.next(5s, done_first);
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->kind, fdd::JobResult::Kind::kResult);
+    order.push_back(r->job);
+    q.release(r->slot);
+  }
+  EXPECT_EQ(order, (std::vector<uint64_t>{1, 2, 0}));
+  const pid_t victim = q.pid(1);
+  submit(q, "sleep 400", 0);  // 3 -> worker 0
+  submit(q, "die", 1);        // 4 -> worker 1
+  auto r = q.next(5s, done_first);
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->kind, fdd::JobResult::Kind::kDied) << "a death waits for no slower job";
+  EXPECT_EQ(r->pid, victim);
+  EXPECT_EQ(r->held, std::vector<uint64_t>{4u});
+  q.stop(true);
+}
+
 TEST_F(JobQueue, AJobNotDoneInTimeNamesItsWorker) {
   fdd::JobQueue q(options(2));
   q.await_started();
