@@ -824,12 +824,14 @@ def test_a_small_dev_shm(script, which):
     out, r = script(TRANSPORT, args=[which], shm="size=64m",
                     peer_may_leave=r"torch_\d+_\d+_\d+" if which == "torch" else None)
     if which == "torch":
-        # torch's worker dies of SIGBUS writing the second batch into /dev/shm beside the first
+        # torch's loader fails, one of two ways (a race between its worker's writes): the worker
+        # dies of SIGBUS writing a batch into the full /dev/shm, or its allocation of the next
+        # segment fails first (ENOSPC, re-raised as the worker's RuntimeError). Which one is the
+        # peer's business; that it fails is the point.
         assert r["error"] is not None and r["batches"] <= 1, r
         assert ("DataLoader worker (pid" in r["error"]
-                and ("exited unexpectedly" in r["error"] or "Bus error" in r["error"])), r
-        assert "Unexpected bus error encountered in worker. This might be caused by " \
-            "insufficient shared memory (shm)." in out.stderr
+                and ("exited unexpectedly" in r["error"] or "Bus error" in r["error"])) or \
+            "No space left on device" in r["error"], r
     else:
         assert r["error"] is None, r["error"]
         assert r["batches"] == 3 and r["right"] == [True] * 3 and r["viewed"] == [True] * 3
@@ -929,9 +931,15 @@ class Rows(Dataset):
 
 
 torch.cuda.is_available = lambda: True  # as in PINNED: a PyTorch with CUDA, as far as asked
+if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 9):
+    # torch 2.9 ignores pin_memory_device (deprecated): the pinning is for the current device
+    torch.cuda.current_device = lambda: 5
+    device = {}
+else:
+    device = {"pin_memory_device": "cuda:5"}
 try:
     for b in forkguard.DataLoader(Rows(), batch_size=4, num_workers=2, pin_memory=True,
-                                  pin_memory_device="cuda:5", worker_start=sys.argv[1]):
+                                  worker_start=sys.argv[1], **device):
         pass
     result(error=None)
 except Exception as e:
