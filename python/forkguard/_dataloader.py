@@ -315,7 +315,9 @@ def _start_method(loader):
             return "fork", "multiprocessing_context='fork'"
     if choice != "auto":
         return choice, f"worker_start={choice!r}"
-    dirty = _native.probe_if_fork_unsafe()
+    from ._probe import probe_if_fork_unsafe  # the driver's state, then torch's fork poison
+
+    dirty = probe_if_fork_unsafe()
     if dirty is None:
         return "fork", "this process is fork-safe"
     key = ("server", dirty.verdict)

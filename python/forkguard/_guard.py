@@ -28,9 +28,9 @@ import threading
 import warnings
 from typing import Optional
 
-from . import _native
+from . import _torch_fork
 from ._native import Error
-from ._probe import PYTHON_CURES, ForkUnsafeError, ProbeResult
+from ._probe import PYTHON_CURES, ForkUnsafeError, ProbeResult, probe_if_fork_unsafe
 
 POLICIES = ("reroute", "refuse", "warn")
 
@@ -63,12 +63,22 @@ _seen_dirty = False  # CUDA, once initialized here, stays so: semaphores need no
 
 
 def _dirty() -> Optional[ProbeResult]:
+    """The probe when this process is not fork-safe: CUDA initialized (the driver's state), or
+    torch's fork poison registered (torch.cuda.is_available() on a CUDA build, even without a GPU:
+    its children would be in torch's bad fork)."""
     global _seen_dirty
-    native = _native.probe_if_fork_unsafe()
-    if native is None:
+    result = probe_if_fork_unsafe()
+    if result is None:
         return None
     _seen_dirty = True
-    return ProbeResult(native)
+    return result
+
+
+def _failure(result: ProbeResult) -> str:
+    """How a plain fork child of this process fails: the driver's error, or torch's."""
+    if result.verdict in _torch_fork.SUMMARIES:
+        return "torch's \"Cannot re-initialize CUDA in forked subprocess\": torch's fork poison"
+    return "CUDA_ERROR_NOT_INITIALIZED = 3"
 
 
 def _evidence_lines(result: ProbeResult, n: int = 3):
@@ -103,7 +113,7 @@ def _guarded_popen(process_obj):
             warnings.warn_explicit(
                 "\n".join([f"forkguard.guard(): starting {process_obj.name} with a plain fork, "
                            f"but this process (PID {dirty.pid}) is {dirty.verdict}: its CUDA "
-                           "calls will fail (CUDA_ERROR_NOT_INITIALIZED = 3)."]
+                           f"calls will fail ({_failure(dirty)})."]
                           + _evidence_lines(dirty)), DirtyForkWarning,
                 frame.f_code.co_filename if frame else "<unknown>",
                 frame.f_lineno if frame else 0)
@@ -157,7 +167,7 @@ def _before_os_fork():
     warnings.warn_explicit(
         "\n".join([f"forkguard.guard(): os.fork() at {where} in a process (PID {dirty.pid}) that "
                    f"is {dirty.verdict}: the child's CUDA calls will fail "
-                   "(CUDA_ERROR_NOT_INITIALIZED = 3); os.fork() is not rerouted."]
+                   f"({_failure(dirty)}); os.fork() is not rerouted."]
                   + _evidence_lines(dirty)),
         DirtyForkWarning, frame.f_code.co_filename if frame else "<unknown>",
         frame.f_lineno if frame else 0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from typing import List, NamedTuple, Optional
 
-from . import _native
+from . import _native, _torch_fork
 from ._native import Error
 
 
@@ -19,10 +19,12 @@ class Evidence(NamedTuple):
 
 class ProbeResult:
     """The probe's answer: ``verdict`` (clean, driver_loaded, nvml_open: fork is safe;
-    initialized, context_active, poisoned: it is not), ``fork_safe``, ``evidence``, ``notes``
-    (what could not be checked), ``summary`` and ``cures`` (the doctor's advice), ``pid``."""
+    initialized, context_active, poisoned: it is not; for this process also torch's own flag:
+    torch_fork_poisoned, torch_bad_fork: not safe either), ``fork_safe``, ``evidence``,
+    ``notes`` (what could not be checked), ``summary`` and ``cures`` (the doctor's advice),
+    ``pid``."""
 
-    def __init__(self, native):
+    def __init__(self, native, torch: Optional[_torch_fork.TorchForkState] = None):
         self.pid: int = native.pid
         self.parent_pid: int = native.parent_pid
         self.verdict: str = native.verdict
@@ -31,6 +33,27 @@ class ProbeResult:
         self.notes: List[str] = list(native.notes)
         self.summary: str = native.summary
         self.cures: List[str] = list(native.cures)
+        if torch is not None:
+            self._add_torch(torch)
+
+    def _add_torch(self, torch: _torch_fork.TorchForkState) -> None:
+        """torch's fork poison (seen only from inside this process: _torch_fork.py). The driver's
+        verdict stands when it is already unsafe; torch's evidence is added either way."""
+        evidence = [Evidence(*e) for e in torch.evidence]
+        self.notes += torch.notes
+        if torch.verdict is None or not self.fork_safe:
+            self.evidence += evidence
+        else:
+            self.evidence = evidence + self.evidence  # what decided first
+        if torch.verdict is None:
+            return
+        if self.fork_safe:
+            self.verdict = torch.verdict
+            self.fork_safe = False
+            self.summary = _torch_fork.SUMMARIES[torch.verdict]
+            self.cures = list(_torch_fork.CURES)
+        else:
+            self.cures += [c for c in _torch_fork.CURES if c not in self.cures]
 
     def __bool__(self) -> bool:
         return self.fork_safe
@@ -67,10 +90,18 @@ class ForkUnsafeError(Error):
     ``result`` is the ProbeResult; the message lists the evidence and the cures."""
 
     def __init__(self, result: ProbeResult):
-        lines = [f"fork is not safe here: this process (PID {result.pid}) is {result.verdict}; "
-                 "CUDA state does not survive fork, so a forked child fails at its first CUDA "
-                 "call (\"Cannot re-initialize CUDA in forked subprocess\", "
-                 "CUDA_ERROR_NOT_INITIALIZED = 3).", "evidence:"]
+        if result.verdict in _torch_fork.SUMMARIES:
+            why = (f"; {result.summary[0].lower()}{result.summary[1:]}"
+                   if result.verdict == _torch_fork.BAD_FORK else
+                   ": torch's fork poison is registered here (torch's flag, not the driver's), "
+                   "so a forked child fails at its first torch CUDA use (\"Cannot re-initialize "
+                   "CUDA in forked subprocess\"), even with no GPU or driver.")
+        else:
+            why = ("; CUDA state does not survive fork, so a forked child fails at its first "
+                   "CUDA call (\"Cannot re-initialize CUDA in forked subprocess\", "
+                   "CUDA_ERROR_NOT_INITIALIZED = 3).")
+        lines = [f"fork is not safe here: this process (PID {result.pid}) is "
+                 f"{result.verdict}{why}", "evidence:"]
         lines += [f"  - {e.kind}: {e.detail} [{e.source}]" for e in result.evidence]
         lines.append("cures:")
         lines += [f"  - {c}" for c in PYTHON_CURES + result.cures]
@@ -80,8 +111,24 @@ class ForkUnsafeError(Error):
 
 def probe(pid: Optional[int] = None) -> ProbeResult:
     """The CUDA state of this process, or of ``pid``. Never initializes CUDA: it reads /proc,
-    the loaded libraries, and asks the driver only calls that initialize nothing."""
-    return ProbeResult(_native.probe(pid if pid is not None and pid != os.getpid() else None))
+    the loaded libraries, and asks the driver only calls that initialize nothing. For this
+    process it also reads torch's own fork poison (torch_fork_poison, torch_bad_fork evidence);
+    for another process that flag cannot be seen (a note says so where libtorch_cuda is mapped)."""
+    if pid is not None and pid != os.getpid():
+        return ProbeResult(_native.probe(pid))
+    return ProbeResult(_native.probe(None), _torch_fork.state())
+
+
+def probe_if_fork_unsafe() -> Optional[ProbeResult]:
+    """None when this process is fork-safe, else its probe: the fast check at each start (the
+    native one, microseconds without a driver; then torch's flag, a byte read once resolved)."""
+    native = _native.probe_if_fork_unsafe()
+    if native is not None:
+        return ProbeResult(native, _torch_fork.state())
+    torch = _torch_fork.state()
+    if torch.verdict is None:
+        return None
+    return ProbeResult(_native.probe(None), torch)
 
 
 def ensure_fork_safe() -> ProbeResult:

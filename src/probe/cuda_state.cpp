@@ -85,6 +85,7 @@ struct Facts {
   bool uvm_open = false;
   bool gpu_file_mapped = false;
   bool driver_threads = false;
+  bool torch_cuda_mapped = false;  // a CUDA build of torch: its own fork flag may be set
   bool inherited_files = false;  // device-file descriptions shared with the parent
   bool poisoned_proof = false;   // ... and with an initialized ancestor (see Prober::inherited)
   // Only for self(), when the driver could be asked.
@@ -168,6 +169,16 @@ class Prober {
           "that initialized CUDA before a fork is gone; counted as initialized, not poisoned");
     }
     state_.fork_safe = is_fork_safe(state_.verdict);
+    if (!is_self_ && state_.fork_safe && facts_.torch_cuda_mapped) {
+      // torch's flag is a byte in libtorch_python's memory, not in /proc (docs/probe.md).
+      state_.notes.push_back(
+          "a CUDA build of torch is loaded (libtorch_cuda.so): torch's own fork poison is not "
+          "visible from another process. torch.cuda.is_available() (and device_count() where "
+          "NVML cannot count, and torch's CUDA init) registers a pthread_atfork handler that "
+          "puts every later fork child in a bad fork (\"Cannot re-initialize CUDA in forked "
+          "subprocess\" at its first CUDA use), even with no GPU or driver; forkguard.probe() "
+          "called inside that Python process reads it (evidence torch_fork_poison)");
+    }
     return std::move(state_);
   }
 
@@ -203,6 +214,7 @@ class Prober {
     if (role == LibraryRole::kNone) return;
     facts_.cuda_library_mapped = true;
     if (role == LibraryRole::kDriver) facts_.driver_mapped = true;
+    if (basename_of(path).substr(0, 16) == "libtorch_cuda.so") facts_.torch_cuda_mapped = true;
     add(EvidenceKind::kLibraryMapped, fmt::format("{} ({})", basename_of(path), path), source);
   }
 

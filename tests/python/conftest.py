@@ -4,6 +4,7 @@ behind (processes carrying a test's marker, the fork server's children, this pro
 import os
 import pathlib
 import random
+import sys
 
 import pytest
 
@@ -118,3 +119,24 @@ def open_fds():
         except FileNotFoundError:  # the listing's own
             pass
     return fds
+
+
+@pytest.fixture(scope="session")
+def torch_build():
+    """"cuda" (a CUDA build of torch: its device count registers torch's fork poison, with or
+    without a GPU), "cpu" (no CUDA in it: Debian's 1.13.1), or None (no torch) under this
+    interpreter; asked of a child interpreter, so this one does not import torch."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c",
+         "import torch; print('cuda' if hasattr(torch._C, '_cuda_getDeviceCount') else 'cpu')"],
+        capture_output=True, text=True, timeout=300)
+    return out.stdout.strip().splitlines()[-1] if out.returncode == 0 else None
+
+
+def need_torch_build(build: str, found):
+    """Skips, naming the torch found, unless this interpreter's torch is `build`."""
+    if found != build:
+        pytest.skip(f"needs a {build} build of torch; this interpreter's torch is "
+                    f"{found or 'absent'} ({sys.executable})")

@@ -12,7 +12,7 @@ import time
 import uuid
 
 import pytest
-from conftest import marked_pids
+from conftest import marked_pids, need_torch_build
 
 import forkguard
 
@@ -376,6 +376,72 @@ def test_a_fork_context_lock_made_while_clean_is_refused_by_name(script):
                 print("refused:", e)
     """)
     assert "refused:" in out.stdout and "Lock" in out.stdout and "has no name" in out.stdout
+
+
+TORCH_REPORT = """
+    import torch
+
+    def report(q):
+        q.put((os.getppid(), torch._C._cuda_isInBadFork()
+               if hasattr(torch._C, "_cuda_isInBadFork") else None))
+"""
+
+
+def test_torch_fork_poison_plain_fork_is_in_a_bad_fork_guard_reroutes_refuse_raises(
+        script, torch_build):
+    need_torch_build("cuda", torch_build)
+    out = script(TORCH_REPORT + """
+    if __name__ == "__main__":
+        available = torch.cuda.is_available()  # torch's fork poison, GPU or not
+        print("available:", available)
+        q = mp.Queue()
+        p = mp.Process(target=report, args=(q,))
+        p.start()  # multiprocessing's plain fork, unguarded
+        ppid, bad = q.get(timeout=60)
+        p.join()
+        print("plain:", ppid == os.getpid(), bad)
+        q.close(); q.join_thread()
+        forkguard.guard("refuse")
+        try:
+            mp.Process(target=report, args=(None,)).start()
+            print("refused: no")
+        except forkguard.ForkUnsafeError as e:
+            print("refused:", str(e).splitlines()[0])
+            print("children:", mp.active_children(), children())
+        forkguard.guard()
+        q = mp.Queue()  # made under the guard: it can travel to the fork server's child
+        p = mp.Process(target=report, args=(q,))
+        p.start()
+        ppid, bad = q.get(timeout=120)
+        p.join()
+        print("guarded:", ppid == forkguard._launch._server.pid, bad, p.exitcode)
+        q.close(); q.join_thread()
+    """)
+    assert "plain: True True" in out.stdout, out.stdout  # the child is in torch's bad fork
+    assert "guarded: True False 0" in out.stdout, out.stdout + out.stderr  # rerouted: clean
+    assert "refused: fork is not safe here" in out.stdout and "children: [] []" in out.stdout
+    assert out.stderr.count("forkguard.guard(): this process") == 1, out.stderr
+    if "available: False" in out.stdout:  # no GPU: torch's flag alone decided
+        assert "is torch_fork_poisoned" in out.stdout and "torch_fork_poison:" in out.stderr
+
+
+def test_a_cpu_build_of_torch_forks_plainly_after_is_available(script, torch_build):
+    need_torch_build("cpu", torch_build)
+    out = script(TORCH_REPORT + """
+    if __name__ == "__main__":
+        print("available:", torch.cuda.is_available(), torch.cuda.device_count())
+        forkguard.guard("refuse")
+        q = mp.Queue()
+        p = mp.Process(target=report, args=(q,))
+        p.start()
+        ppid, bad = q.get(timeout=60)
+        p.join()
+        print("plain:", ppid == os.getpid(), bad, p.exitcode)
+        q.close(); q.join_thread()
+    """)
+    assert "available: False 0" in out.stdout
+    assert "plain: True None 0" in out.stdout, out.stdout + out.stderr
+    assert "forkguard" not in out.stderr, out.stderr
 
 
 def _child_ppid(q):

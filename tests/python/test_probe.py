@@ -1,12 +1,20 @@
 """forkguard.probe() and ensure_fork_safe(): a clean process, then one whose driver (the test
-driver) was initialized through ctypes, in a child interpreter so this one stays clean."""
+driver) was initialized through ctypes, in a child interpreter so this one stays clean; torch's own
+fork poison (a CUDA build's torch.cuda.is_available(), no GPU needed) seen in the parent and in a
+bad-fork child, and nothing of it on a CPU build."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+import types
+
+import pytest
+from conftest import need_torch_build
 
 import forkguard
+from forkguard import _torch_fork
 
 
 def test_this_process_is_fork_safe():
@@ -66,6 +74,148 @@ def test_probe_of_another_process():
     try:
         r = forkguard.probe(p.pid)
         assert r.pid == p.pid and r.verdict == "clean"
+    finally:
+        p.stdin.close()
+        p.wait()
+
+
+TORCH_KINDS = ("torch_fork_poison", "torch_bad_fork")
+
+
+def test_torch_fork_poison_is_seen_in_the_parent_and_in_a_bad_fork_child(torch_build):
+    need_torch_build("cuda", torch_build)
+    r = _child("""
+        import json, os, time
+        import torch
+        import forkguard
+        from forkguard import _probe
+        before = forkguard.probe()
+        available = torch.cuda.is_available()  # torch's device count: registers its fork poison
+        after = forkguard.probe()
+        t = time.perf_counter()
+        for _ in range(100):
+            _probe._torch_fork.state()
+        per_check = (time.perf_counter() - t) / 100
+        try:
+            forkguard.ensure_fork_safe()
+            message = None
+        except forkguard.ForkUnsafeError as e:
+            message = str(e)
+        r, w = os.pipe()
+        pid = os.fork()  # a plain fork: the child is in torch's bad fork
+        if pid == 0:
+            child = forkguard.probe()
+            os.write(w, json.dumps({"bad": torch._C._cuda_isInBadFork(), "verdict": child.verdict,
+                                    "safe": child.fork_safe,
+                                    "kinds": [e.kind for e in child.evidence]}).encode())
+            os._exit(0)
+        os.close(w)
+        data = b""
+        while chunk := os.read(r, 65536):
+            data += chunk
+        os.waitpid(pid, 0)
+        print(json.dumps({"available": available, "before": before.verdict,
+                          "before_safe": before.fork_safe,
+                          "before_kinds": [e.kind for e in before.evidence],
+                          "after": after.verdict, "safe": after.fork_safe,
+                          "kinds": [e.kind for e in after.evidence], "notes": after.notes,
+                          "cures": after.cures, "per_check": per_check, "message": message,
+                          "child": json.loads(data)}))
+    """)
+    # Importing a CUDA build of torch is not the poison: its libraries mapped, fork is safe.
+    assert r["before_safe"] and r["before"] in ("clean", "driver_loaded", "nvml_open"), r
+    assert not set(TORCH_KINDS) & set(r["before_kinds"])
+    assert not r["safe"] and "torch_fork_poison" in r["kinds"], r
+    assert not any("cannot be read" in n for n in r["notes"]), r["notes"]
+    assert r["per_check"] < 0.005, r["per_check"]  # a byte read once resolved (us, not ms)
+    m = r["message"]
+    assert m and "torch_fork_poison" in m and "Cannot re-initialize CUDA in forked subprocess" in m
+    assert "PYTORCH_NVML_BASED_CUDA_CHECK=1" in m and "forkguard.guard()" in m
+    assert r["child"]["bad"] is True and not r["child"]["safe"]
+    assert "torch_bad_fork" in r["child"]["kinds"]
+    if not r["available"]:  # no GPU: the driver never loaded, torch's flag is the only evidence
+        assert r["after"] == "torch_fork_poisoned" and r["kinds"][0] == "torch_fork_poison"
+        assert r["child"]["verdict"] == "torch_bad_fork"
+    else:  # a GPU: is_available() also ran cuInit, the driver's verdict stands
+        assert r["after"] in ("initialized", "context_active")
+
+
+def test_a_cpu_build_of_torch_changes_nothing(torch_build):
+    need_torch_build("cpu", torch_build)
+    r = _child("""
+        import json, os
+        import torch
+        import forkguard
+        from forkguard import _probe
+        before = forkguard.probe()
+        available = torch.cuda.is_available(), torch.cuda.device_count()
+        after = forkguard.probe()
+        print(json.dumps({"available": available, "before": before.verdict,
+                          "after": after.verdict, "safe": after.fork_safe,
+                          "same": [list(e) for e in before.evidence] == [list(e) for e in after.evidence],
+                          "notes": after.notes, "fast": _probe.probe_if_fork_unsafe() is None,
+                          "ensure": forkguard.ensure_fork_safe().fork_safe}))
+    """)
+    assert r["available"] == [False, 0]
+    assert r["before"] == r["after"] and r["safe"] and r["same"] and r["fast"] and r["ensure"], r
+    assert not any("torch" in n for n in r["notes"]), r["notes"]
+
+
+def test_an_unreadable_torch_flag_is_a_note_and_torch_lazy_init_still_counts(monkeypatch):
+    # A stand-in torch with a CUDA build's bindings whose flag cannot be read (as with a stripped
+    # libtorch_python): that is said; torch.cuda._initialized still tells.
+    bad_fork = [False]
+    monkeypatch.setitem(sys.modules, "torch._C", types.SimpleNamespace(
+        _cuda_getDeviceCount=lambda: 0, _cuda_isInBadFork=lambda: bad_fork[0]))
+    cuda = types.SimpleNamespace(_initialized=False)
+    monkeypatch.setitem(sys.modules, "torch.cuda", cuda)
+    for name, value in (("_resolved", False), ("_flags", None), ("_unreadable", None)):
+        monkeypatch.setattr(_torch_fork, name, value)
+
+    def unreadable():
+        raise _torch_fork._Unreadable("libtorch_python.so has no symbol table (a stand-in)")
+
+    monkeypatch.setattr(_torch_fork, "_read_flags", unreadable)
+    s = _torch_fork.state()
+    assert s.verdict is None and s.evidence == []
+    assert s.notes and "cannot be read here: libtorch_python.so has no symbol" in s.notes[0]
+    assert forkguard.probe().fork_safe
+    cuda._initialized = True
+    r = forkguard.probe()
+    assert r.verdict == "torch_fork_poisoned" and not r.fork_safe
+    assert r.evidence[0].kind == "torch_fork_poison"
+    assert r.evidence[0].source == "torch.cuda._initialized"
+    bad_fork[0] = True
+    r = forkguard.probe()
+    assert r.verdict == "torch_bad_fork" and "torch_bad_fork" in {e.kind for e in r.evidence}
+    with pytest.raises(forkguard.ForkUnsafeError, match="Cannot re-initialize CUDA"):
+        forkguard.ensure_fork_safe()
+
+
+def test_a_stripped_library_has_no_flag_to_read(fake_cuda, tmp_path):
+    objcopy = shutil.which("objcopy")
+    if objcopy is None:
+        pytest.skip("no objcopy to make a stripped library")
+    stripped = tmp_path / "libstripped.so"
+    subprocess.run([objcopy, "--strip-all", fake_cuda, str(stripped)], check=True)
+    with pytest.raises(_torch_fork._Unreadable, match="no symbol table"):
+        _torch_fork._elf(str(stripped), (_torch_fork._REGISTERED,))
+    found, writable = _torch_fork._elf(fake_cuda, ("cuInit",))  # not stripped: found
+    assert "cuInit" in found and writable
+
+
+def test_another_process_with_a_cuda_build_of_torch_carries_the_blind_spot_note(torch_build):
+    need_torch_build("cuda", torch_build)
+    p = subprocess.Popen([sys.executable, "-c", "import sys, torch; torch.cuda.is_available(); "
+                          "print('ready', flush=True); sys.stdin.read()"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        r = forkguard.probe(p.pid)
+        if r.fork_safe:  # no GPU: what /proc shows is fork-safe, and the note says what is not
+            assert any("torch's own fork poison is not visible from another process" in n
+                       for n in r.notes), r.notes
+        assert not {e.kind for e in r.evidence} & set(TORCH_KINDS)
     finally:
         p.stdin.close()
         p.wait()
