@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# PyTorch 1.13.1's own test/test_dataloader.py, unmodified, against forkguard.DataLoader (the
-# harness in shared/peer-suites/torch-dataloader substitutes the class in every interpreter of
-# the run), with the workers START names: "fork" (forks of the loader's process, what "auto"
-# does on a fork-safe process) or "server" (children of the clean interpreter fork server, what
-# "auto" does once CUDA is initialized). Passes when every test that passes with torch's own
-# class (the harness's baseline on this machine) passes, but those listed below with their
-# reason (docs/python.md lists them too).
+# PyTorch's own test/test_dataloader.py, unmodified, against forkguard.DataLoader (the harness in
+# tests/peer-suites/torch-dataloader substitutes the class in every interpreter of the run), on
+# the torch of $PYTHON (default /usr/bin/python3): 1.13.1's file on torch 1.13, 2.6.0's on torch
+# 2.x (scripts/fetch-peer-suites fetches them from Debian's source packages into
+# build/peer-suites; without them the test fails, saying so). The workers START names: "fork"
+# (forks of the loader's process, what "auto" does on a fork-safe process) or "server" (children
+# of the clean interpreter fork server, what "auto" does once CUDA is initialized). Passes when
+# every test that passes with torch's own class (the harness's baseline for that torch, on this
+# machine) passes, but those listed below with their reason (docs/python.md lists them too).
 #
 #   torch_dataloader_suite.sh START PYTHONPATH_DIR
 #
-# The suite is tests/peer-suites/torch-dataloader (a copy of shared/peer-suites; another copy
-# with FORKGUARD_PEER_SUITES=DIR); where it is absent the test says so and is skipped (exit 77).
+# The harness is tests/peer-suites/torch-dataloader (another copy with FORKGUARD_PEER_SUITES=DIR);
+# where it is absent the test says so and is skipped (exit 77).
 set -euo pipefail
 start=$1
 pydir=$2
@@ -22,26 +24,50 @@ if [ ! -x "$suite/run.sh" ]; then
   exit 77
 fi
 case $start in
-  fork) expected="" ;;
-  # Fork-context synchronization objects (mp.Value(lock=True), mp.Semaphore()) exist only in
-  # forks of the process that made them: a fork-server worker cannot receive them, and the
-  # loader raises TypeError naming the attribute (dataset.count).
-  server) expected="TestDataLoader::test_get_worker_info
-TestDataLoader::test_worker_seed
-TestDataLoader::test_worker_seed_reproducibility
-TestDataLoaderPersistentWorkers::test_get_worker_info
-TestDataLoaderPersistentWorkers::test_worker_seed
-TestDataLoaderPersistentWorkers::test_worker_seed_reproducibility" ;;
+  fork|server) ;;
   *) echo "START must be fork or server, not $start" >&2; exit 2 ;;
 esac
 out=$(mktemp -d)
-trap 'rm -rf "$out"' EXIT
+# The run's folder (pytest.log, junit.xml, outcomes.tsv) is kept when the check fails.
+keep=""
+trap '[ -n "$keep" ] || rm -rf "$out"' EXIT
 rc=0
 # forkguard_suite_exit (peer_suite_plugin/): pytest waits for the stdlib's resource tracker, which
 # the suite's spawned processes start, so that the leak check below sees only what outlives it.
 FORKGUARD_WORKER_START=$start "$suite/run.sh" -p "$pydir" -p "$here/peer_suite_plugin" \
   -o "$out/run" -t 1500 forkguard:DataLoader -- -p forkguard_suite_exit || rc=$?
-baseline=$suite/baseline/torch-1.13.1-cpu.tsv
+if [ ! -s "$out/run/outcomes.tsv" ]; then
+  echo "=== no outcomes from PyTorch's DataLoader suite (harness exit $rc): see the lines above"
+  [ ! -s "$out/run/pytest.log" ] || { keep=1; echo "its pytest.log is kept in $out/run"; }
+  exit 1
+fi
+torch=$(sed -n 's/^torch=//p' "$out/run/config.txt")
+baseline=$(sed -n 's/^baseline=//p' "$out/run/config.txt")
+if [ -z "$baseline" ]; then
+  echo "=== no baseline of torch's own class for torch $torch in $suite/baseline: make one with" \
+       "PYTHON=${PYTHON:-/usr/bin/python3} $suite/run.sh -o DIR torch (README.md)"
+  keep=1
+  exit 1
+fi
+# The tests expected to fail here, each with its reason, per start and torch.
+case $start/$torch in
+  fork/*) expected="" ;;
+  # Fork-context synchronization objects (mp.Value(lock=True), mp.Semaphore()) exist only in
+  # forks of the process that made them: a fork-server worker cannot receive them, and the
+  # loader raises TypeError naming the attribute (dataset.count).
+  server/1.*) expected="TestDataLoader::test_get_worker_info
+TestDataLoader::test_worker_seed
+TestDataLoader::test_worker_seed_reproducibility
+TestDataLoaderPersistentWorkers::test_get_worker_info
+TestDataLoaderPersistentWorkers::test_worker_seed
+TestDataLoaderPersistentWorkers::test_worker_seed_reproducibility" ;;
+  # The same, with 2.6.0's file: test_get_worker_info is not listed, as torch's own class fails
+  # it on torch 2.14 (its WorkerInfo is a frozen dataclass; baseline/torch-2.14.1-cpu.tsv).
+  server/*) expected="TestDataLoader::test_worker_seed
+TestDataLoader::test_worker_seed_reproducibility
+TestDataLoaderPersistentWorkers::test_worker_seed
+TestDataLoaderPersistentWorkers::test_worker_seed_reproducibility" ;;
+esac
 # Tests torch passes that did not pass here.
 lost=$(join -t $'\t' -1 2 -2 2 \
   <(grep -v '^#' "$baseline" | awk -F'\t' '$1 == "passed"' | sort -t $'\t' -k2,2) \
@@ -50,7 +76,7 @@ lost=$(join -t $'\t' -1 2 -2 2 \
 missing=$(comm -23 <(grep -v '^#' "$baseline" | awk -F'\t' '$1 == "passed" {print $2}' | sort) \
   <(grep -v '^#' "$out/run/outcomes.tsv" | cut -f2 | sort))
 echo
-echo "=== forkguard.DataLoader with worker_start=$start: pytest exit $rc"
+echo "=== forkguard.DataLoader with worker_start=$start on torch $torch: pytest exit $rc"
 unexpected=$(comm -23 <(printf '%s\n' "$lost" | sed '/^$/d') \
   <(printf '%s\n' "$expected" | sed '/^$/d' | sort))
 fixed=$(comm -13 <(printf '%s\n' "$lost" | sed '/^$/d') \
@@ -61,7 +87,8 @@ if [ -n "$missing" ]; then
 fi
 if [ -n "$unexpected" ]; then
   echo "FAILED here, passed by torch's own class:"; printf '  %s\n' $unexpected; status=1
-  grep -A30 -E "^_+ ($(printf '%s' "$unexpected" | sed 's/.*:://' | paste -sd'|'))" \
+  # pytest's headings read "____ TestClass.test_name ____".
+  grep -A30 -E "^_+ ($(printf '%s\n' "$unexpected" | sed 's/::/\\./' | paste -sd'|')) _+$" \
     "$out/run/pytest.log" | head -120 || true
 fi
 if [ -n "$fixed" ]; then
@@ -71,5 +98,6 @@ fi
 if [ -s "$out/run/leaked.txt" ] && grep -qv '^#' "$out/run/leaked.txt"; then
   echo "processes outlived pytest:"; cat "$out/run/leaked.txt"; status=1
 fi
+[ $status -eq 0 ] || { keep=1; echo "the run's results are kept in $out/run"; }
 [ $status -eq 0 ] && echo "every test torch's own class passes passed, but the $(printf '%s' "$expected" | grep -c . || true) listed"
 exit $status
