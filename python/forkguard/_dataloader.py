@@ -509,7 +509,7 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
             except StopIteration:
                 return
             job, _ = self._queue.submit(pickle.dumps(("fetch", index), protocol=5),
-                                        self._fg_first_worker)
+                                        self._fg_first_worker, in_order=self._in_order)
             self._fg_first_worker = -1  # then round-robin from there
             self._task_info[job] = index
 

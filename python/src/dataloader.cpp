@@ -158,9 +158,10 @@ struct Queue {
   }
 
   // Writes `data` into the next job's slot and submits it; (job, worker).
-  py::tuple submit(py::buffer data, int worker) {
+  py::tuple submit(py::buffer data, int worker, bool in_order) {
     auto info = data.request();
-    auto next = q->next_slot(worker);
+    auto next =
+        q->next_slot(worker, in_order ? fdd::JobQueue::Order::kJobs : fdd::JobQueue::Order::kDone);
     const auto n = static_cast<size_t>(info.size * info.itemsize);
     next.memory->reserve(n);
     std::memcpy(next.memory->data(), info.ptr, n);
@@ -222,7 +223,8 @@ void bind_dataloader(py::module_& m) {
            py::arg("close_in_child") = std::vector<int>{}, py::arg("pin_device") = -1)
       .def("await_started", &Queue::await_started)
       .def("wants_job", [](const Queue& s) { return s.q->wants_job(); })
-      .def("submit", &Queue::submit, py::arg("data"), py::arg("worker") = -1)
+      .def("submit", &Queue::submit, py::arg("data"), py::arg("worker") = -1,
+           py::arg("in_order") = true)
       .def("next", &Queue::next, py::arg("timeout") = py::none(), py::arg("in_order") = true)
       .def("reactivate", [](Queue& s) { s.q->reactivate(); })
       .def("pid", [](const Queue& s, int w) { return s.q->pid(w); })

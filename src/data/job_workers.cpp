@@ -249,7 +249,8 @@ class JobQueue::Impl : public JobSlot {
     return active > 0 && jobs_.size() < o_.prefetch * active;
   }
 
-  JobQueue::Next next_slot(int worker) {
+  JobQueue::Next next_slot(int worker, JobQueue::Order order) {
+    if (worker < 0 && order == JobQueue::Order::kDone) worker = worker_with_room();
     if (worker < 0) {
       for (size_t k = 0; k < procs_.size(); ++k) {
         size_t w = (rr_ + k) % procs_.size();
@@ -264,6 +265,22 @@ class JobQueue::Impl : public JobSlot {
     int id = acquire(worker);
     current_ = id;
     return {worker, id, this};
+  }
+
+  // The next active worker in round-robin order holding fewer undelivered jobs than its share
+  // of prefetch x workers, or -1.
+  int worker_with_room() const {
+    size_t active = 0;
+    std::vector<size_t> held(procs_.size(), 0);
+    for (const auto& p : procs_) active += p.active && p.alive ? 1 : 0;
+    for (const auto& [job, j] : jobs_) ++held[static_cast<size_t>(j.worker)];
+    if (active == 0) return -1;
+    const size_t share = o_.prefetch * procs_.size() / active;
+    for (size_t k = 0; k < procs_.size(); ++k) {
+      const size_t w = (rr_ + k) % procs_.size();
+      if (procs_[w].active && procs_[w].alive && held[w] < share) return static_cast<int>(w);
+    }
+    return -1;
   }
 
   uint64_t submit(const JobQueue::Next& next, size_t input_bytes) {
@@ -732,8 +749,8 @@ void JobQueue::await_started() {
 bool JobQueue::wants_job() const {
   return impl_->wants_job();
 }
-JobQueue::Next JobQueue::next_slot(int worker) {
-  return impl_->next_slot(worker);
+JobQueue::Next JobQueue::next_slot(int worker, Order order) {
+  return impl_->next_slot(worker, order);
 }
 uint64_t JobQueue::submit(const Next& next, size_t input_bytes) {
   return impl_->submit(next, input_bytes);

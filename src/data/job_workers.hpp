@@ -148,20 +148,22 @@ class JobQueue {
   bool wants_job() const;
   // The slot for the next job: of the next active worker in round-robin order, or of `worker`
   // (the round-robin order then goes on after it). Write the input at its start (grow it with
-  // reserve), then submit().
+  // reserve), then submit(). Order::kDone (results delivered out of order): the next active
+  // worker in that order that holds fewer undelivered jobs than its share of prefetch x workers
+  // (torch's DataLoader(in_order=False) gives a slow worker no more), else the next active one.
   struct Next {
     int worker = -1;
     int slot = -1;
     JobSlot* memory = nullptr;
   };
-  Next next_slot(int worker = -1);
+  enum class Order { kJobs, kDone };
+  Next next_slot(int worker = -1, Order order = Order::kJobs);
   uint64_t submit(const Next& next, size_t input_bytes);  // the job's number (0, 1, ...)
 
   // The next job's result in job order (jobs of workers that ended are skipped); nullopt when no
   // job is in flight. kTimeout: `timeout` passed first (the job waits on); kDied: a worker died
   // (the queue is then stopped). Out of order (torch's DataLoader(in_order=False)): the first
   // result done, whichever job it is, and a death once every result done before it is delivered.
-  enum class Order { kJobs, kDone };
   std::optional<JobResult> next(std::optional<std::chrono::milliseconds> timeout,
                                 Order order = Order::kJobs);
   // The result's slot back to its worker. Any thread; the last holder of a result calls it.

@@ -234,14 +234,32 @@ TEST_F(JobQueue, OutOfOrderTheFirstResultDoneComesFirst) {
     q.release(r->slot);
   }
   EXPECT_EQ(order, (std::vector<uint64_t>{1, 2, 0}));
+  // Out of order, a worker holding its share of prefetch x workers (2 here) gets no more jobs
+  // while another has room: torch's in_order=False does not queue behind a slow worker.
+  submit(q, "sleep 300", 0);  // 3 -> worker 0
+  auto to = [&q](const std::string& in) {
+    auto next = q.next_slot(-1, fdd::JobQueue::Order::kDone);
+    next.memory->reserve(in.size());
+    std::memcpy(next.memory->data(), in.data(), in.size());
+    q.submit(next, in.size());
+    return next.worker;
+  };
+  EXPECT_EQ(to("d"), 1);
+  EXPECT_EQ(to("e"), 0);  // worker 0 holds 1 of its 2
+  EXPECT_EQ(to("f"), 1);  // worker 0 is full: not round-robin's turn, but the one with room
+  for (int k = 0; k < 4; ++k) {
+    auto r = q.next(5s, done_first);
+    ASSERT_TRUE(r);
+    q.release(r->slot);
+  }
   const pid_t victim = q.pid(1);
-  submit(q, "sleep 400", 0);  // 3 -> worker 0
-  submit(q, "die", 1);        // 4 -> worker 1
+  submit(q, "sleep 400", 0);  // 7 -> worker 0
+  submit(q, "die", 1);        // 8 -> worker 1
   auto r = q.next(5s, done_first);
   ASSERT_TRUE(r);
   ASSERT_EQ(r->kind, fdd::JobResult::Kind::kDied) << "a death waits for no slower job";
   EXPECT_EQ(r->pid, victim);
-  EXPECT_EQ(r->held, std::vector<uint64_t>{4u});
+  EXPECT_EQ(r->held, std::vector<uint64_t>{8u});
   q.stop(true);
 }
 

@@ -119,3 +119,30 @@ def test_a_torch_outside_the_tested_range_is_said_once_at_import(tmp_path, versi
         assert f"torch 1.13 to 2.14; this is torch {version}" in lines[0]
     else:
         assert lines == [], r.stderr
+
+
+class SlowIndex(torch.utils.data.Dataset):
+    """Index 2 takes long (PyTorch 2.6's TestSlowIndexDataset, slower: the machine may be busy)."""
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        if i == 2:
+            import time
+
+            time.sleep(1.5)
+        return i
+
+
+@pytest.mark.skipif(TORCH < (2, 6), reason="in_order is torch >= 2.6's")
+@pytest.mark.parametrize("start", ["fork", "server"])
+def test_out_of_order_batches_come_as_torchs_do(start):
+    # A slow sample does not hold back the batches after it, and the worker stuck on it gets no
+    # more work while the other has room (torch 2.14's dispatch; 2.6's was round-robin).
+    theirs = [int(x) for x in TorchDataLoader(SlowIndex(), num_workers=2, in_order=False)]
+    ours = [int(x) for x in forkguard.DataLoader(SlowIndex(), num_workers=2, in_order=False,
+                                                 worker_start=start)]
+    assert ours == theirs
+    assert [int(x) for x in forkguard.DataLoader(SlowIndex(), num_workers=2,
+                                                 worker_start=start)] == list(range(10))
