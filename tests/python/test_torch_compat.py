@@ -140,9 +140,12 @@ class SlowIndex(torch.utils.data.Dataset):
 def test_out_of_order_batches_come_as_torchs_do(start):
     # A slow sample does not hold back the batches after it, and the worker stuck on it gets no
     # more work while the other has room (torch 2.14's dispatch; 2.6's was round-robin).
-    theirs = [int(x) for x in TorchDataLoader(SlowIndex(), num_workers=2, in_order=False)]
+    # The exact order depends on when each worker starts (torch's own varies run to run): what
+    # holds is that the slow sample comes late and, the worker stuck on it being full, at most
+    # the one job queued behind it comes after it (round-robin would queue 4, 6 and 8 there).
     ours = [int(x) for x in forkguard.DataLoader(SlowIndex(), num_workers=2, in_order=False,
                                                  worker_start=start)]
-    assert ours == theirs
+    assert sorted(ours) == list(range(10))
+    assert ours.index(2) >= 5 and len(ours) - ours.index(2) - 1 <= 1, ours
     assert [int(x) for x in forkguard.DataLoader(SlowIndex(), num_workers=2,
                                                  worker_start=start)] == list(range(10))
