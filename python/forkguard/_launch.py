@@ -8,6 +8,9 @@ attaches the supervisor to it (``_native._supervise_notebook``), which builds ea
 environment, prints its output prefixed ``[rankN]:``, stops and restarts the group and reports as
 for a command rank. What stays here is Python's: cloudpickle (the function travels by value in a
 memfd, the outcome comes back in the same memfd), RankError and the notebook-facing API.
+multiprocessing's objects in the arguments (a Queue, a Pipe's Connection, an Event) travel as to a
+forkserver child: their fds held by the server for the launch (its ranks inherit them), their
+semaphores by name (_travel.py).
 """
 from __future__ import annotations
 
@@ -179,7 +182,8 @@ def notebook_launch(fn: Callable[..., Any], args: Sequence[Any] = (), nproc: int
                     max_restarts: int = 0, master_addr: str = "127.0.0.1",
                     master_port: Optional[int] = None, env: Optional[Dict[str, str]] = None,
                     preload: Optional[Sequence[str]] = None, grace: float = 5.0,
-                    timeout: Optional[float] = None) -> List[Any]:
+                    timeout: Optional[float] = None, nnodes: int = 1,
+                    node_rank: int = 0) -> List[Any]:
     """Runs ``fn(*args, **kwargs)`` in ``nproc`` ranks and returns their return values by rank.
 
     The ranks are forked by a fork server that is a freshly executed interpreter, so they can use
@@ -198,27 +202,42 @@ def notebook_launch(fn: Callable[..., Any], args: Sequence[Any] = (), nproc: int
     is its ``__cause__``). KeyboardInterrupt sends SIGINT to every rank, waits for them (SIGKILL
     after ``grace``) and propagates. ``timeout``: seconds for the whole group, then it is stopped
     and RankError raised. Nothing is left running.
+
+    ``args`` may hold multiprocessing's objects made before the call, by any context (a fork
+    context's Queue too): each rank gets them as a forkserver child would (their fds by
+    SCM_RIGHTS; a fork context's semaphores, which have no name, through named twins that take
+    their value and give it back after the launch).
+
+    ``nnodes``/``node_rank``: this call starts node ``node_rank``'s ranks of a world of ``nnodes``
+    nodes of ``nproc`` ranks each (RANK = node_rank * nproc + LOCAL_RANK), whose rank 0 listens
+    at ``master_addr``:``master_port`` (required then); run the same call on every node.
     """
     if nproc < 1:
         raise ValueError("nproc must be at least 1")
-    import cloudpickle
+    from . import _travel
 
-    payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
     cwd = os.getcwd()
     path = [p if p else cwd for p in sys.path]
-    with _lock:
+    with _travel.payload(fn, tuple(args), dict(kwargs or {})) as (payload, fds), _lock:
         start_server(preload)
         server = _server
         assert server is not None
         server.wait_ready()
         if preload:
             server.ensure_preloaded(preload)
-        done = _supervise_notebook(
-            server_pid=server.pid, server_sock=server.fd(), payload=payload,
-            nproc=nproc, args=[cwd, json.dumps(path)], bind_gpus=bind_gpus,
-            max_restarts=max_restarts, master_addr=master_addr, master_port=master_port,
-            env=dict(env or {}), grace=float(grace),
-            timeout=None if timeout is None else float(timeout))
+        if fds:
+            _exchange(server, ["hold_fds"], fds, "held")
+        try:
+            done = _supervise_notebook(
+                server_pid=server.pid, server_sock=server.fd(), payload=payload,
+                nproc=nproc, args=[cwd, json.dumps(path)], bind_gpus=bind_gpus,
+                max_restarts=max_restarts, master_addr=master_addr, master_port=master_port,
+                env=dict(env or {}), grace=float(grace),
+                timeout=None if timeout is None else float(timeout), nnodes=nnodes,
+                node_rank=node_rank)
+        finally:
+            if fds and server.alive():
+                _exchange(server, ["release_fds"], [], "released")
     result = json.loads(done["json"])
     try:
         outcomes = [_outcome(r, fd) for r, fd in enumerate(done["memfds"])]
@@ -230,6 +249,13 @@ def notebook_launch(fn: Callable[..., Any], args: Sequence[Any] = (), nproc: int
     if not result["success"] or truncated:
         raise _rank_error(result, done["report"], outcomes, truncated, timeout)
     return [o[1] if o and o[0] == "ok" else None for o in outcomes]
+
+
+def _exchange(server: _Server, fields, fds, expect: str) -> None:
+    msg = server.exchange(fields, fds, timeout=60.0)
+    if msg is None or msg[0] != expect:
+        raise Error(f"notebook_launch: the fork server (PID {server.pid}) did not answer "
+                    f"{fields[0]}: {msg}")
 
 
 def _outcome(rank: int, fd: int):

@@ -26,7 +26,8 @@ class ProbeError(Error):
 def _supervise_notebook(server_pid: int, server_sock: int, payload: bytes, nproc: int,
                         args: List[str], bind_gpus: bool, max_restarts: int, master_addr: str,
                         master_port: Optional[int], env: Dict[str, str], grace: float,
-                        timeout: Optional[float]) -> Dict[str, Any]:
+                        timeout: Optional[float], nnodes: int = ...,
+                        node_rank: int = ...) -> Dict[str, Any]:
     """notebook_launch's ranks under the C++ supervisor: {"json", "report", "memfds"}."""
 
 class _ProbeResult:

@@ -15,6 +15,10 @@
 # and, from notebook_launch's own Python code:
 #   server -> caller  ready PID PRELOADED_JSON ERRORS_JSON
 #   caller -> server  preload MODULES_JSON  ->  preloaded PRELOADED_JSON ERRORS_JSON
+#   caller -> server  hold_fds + fds  ->  held COUNT     (the fds a launch's arguments carry:
+#                     multiprocessing's Connections, Queues' pipes; every rank forked until
+#                     release_fds inherits them and finds them where a forkserver child does)
+#   caller -> server  release_fds  ->  released
 # and from forkguard.guard() (_guard_child.py, _guard_reroute.py):
 #   caller -> server  guard_start NAME + fds  ->  guard_started PID | error MESSAGE, then exit PID
 # EOF on FD (the caller exited or closed it): every rank's group is killed, the server exits.
@@ -89,6 +93,7 @@ def _preload(modules):
 
 
 _guard_module = None
+_held_fds = []  # hold_fds: inherited by the ranks of the launch in progress, closed elsewhere
 
 
 def _guard_child():
@@ -162,6 +167,12 @@ def _rank_main(fields, fds):
             fg._native.start_fork_server()
         payload = os.pread(memfd, os.fstat(memfd).st_size, 0)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        if _held_fds:
+            # multiprocessing's objects in the arguments (pickled as for a forkserver child:
+            # _launch._payload) find their fds here.
+            import multiprocessing.forkserver
+
+            multiprocessing.forkserver._forkserver._inherited_fds = list(_held_fds)
         import cloudpickle
 
         try:
@@ -194,6 +205,14 @@ def _rank_main(fields, fds):
         except OSError:
             pass
     finally:
+        try:
+            util = sys.modules.get("multiprocessing.util")
+            if util is not None:
+                # What a multiprocessing child runs at its end (the rank's Queue.put()s reach
+                # the pipe: their feeder threads are joined; its own children are joined).
+                util._exit_function()
+        except Exception:  # noqa: BLE001
+            pass
         try:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -239,6 +258,11 @@ def _start_dataloader_worker(fds, close):
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _release_held():
+    while _held_fds:
+        os.close(_held_fds.pop())
 
 
 def main():
@@ -300,7 +324,8 @@ def main():
                     send(sock, ["started", pid])
                 elif op == "call" and len(fields) == 2 and len(fds) == 3 and \
                         fields[1] == "forkguard.dataloader_worker":
-                    pid = _start_dataloader_worker(fds, (sock.fileno(), wake_r, wake_w))
+                    pid = _start_dataloader_worker(fds, (sock.fileno(), wake_r, wake_w,
+                                                         *_held_fds))
                     if isinstance(pid, str):
                         send(sock, ["error", pid])
                         continue
@@ -308,11 +333,19 @@ def main():
                     guard_pids.add(pid)  # in the caller's group: killed by PID, not by group
                     send(sock, ["started", pid])
                 elif op == "guard_start":  # forkguard.guard(): see _guard_child.py
-                    reply = _guard_child().start(fds, (sock.fileno(), wake_r, wake_w))
+                    reply = _guard_child().start(fds, (sock.fileno(), wake_r, wake_w,
+                                                       *_held_fds))
                     if reply[0] == "guard_started":
                         ranks.add(reply[1])
                         guard_pids.add(reply[1])
                     send(sock, reply)
+                elif op == "hold_fds":
+                    _release_held()
+                    _held_fds.extend(fds)
+                    send(sock, ["held", len(fds)])
+                elif op == "release_fds":
+                    _release_held()
+                    send(sock, ["released"])
                 elif op == "preload":
                     done, errors = _preload(json.loads(fields[1]))
                     send(sock, ["preloaded", json.dumps(done), json.dumps(errors)])

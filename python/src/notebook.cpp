@@ -72,14 +72,16 @@ py::dict supervise_notebook(int server_pid, int server_sock, const py::bytes& pa
                             int max_restarts, const std::string& master_addr,
                             std::optional<int> master_port,
                             const std::map<std::string, std::string>& env, double grace,
-                            std::optional<double> timeout) {
+                            std::optional<double> timeout, int nnodes, int node_rank) {
   fl::Options o;
   o.nproc = nproc;
   o.start = fl::StartMethod::kForkServer;
   o.gpus.bind = bind_gpus;
   o.max_restarts = max_restarts;
-  o.nodes.nnodes = 1;  // a notebook is one node: no Slurm / MPI placement from its environment
-  o.nodes.node_rank = 0;
+  // Placed by the caller (accelerate's num_nodes / node_rank), never by Slurm or MPI variables
+  // in the notebook's environment.
+  o.nodes.nnodes = nnodes;
+  o.nodes.node_rank = node_rank;
   o.nodes.master_addr = master_addr;
   o.nodes.master_port = master_port;
   o.nodes.standalone = !master_port.has_value();
@@ -199,7 +201,7 @@ void bind_notebook(py::module_& m) {
   m.def("_supervise_notebook", &supervise_notebook, py::arg("server_pid"), py::arg("server_sock"),
         py::arg("payload"), py::arg("nproc"), py::arg("args"), py::arg("bind_gpus"),
         py::arg("max_restarts"), py::arg("master_addr"), py::arg("master_port"), py::arg("env"),
-        py::arg("grace"), py::arg("timeout"),
+        py::arg("grace"), py::arg("timeout"), py::arg("nnodes") = 1, py::arg("node_rank") = 0,
         "notebook_launch's ranks under the C++ supervisor; returns the result as JSON, the "
         "report and each rank's memfd (its outcome), by local rank.");
 }

@@ -1,9 +1,13 @@
 """forkguard.notebook_launcher: accelerate's signature, environment and messages on
 notebook_launch; a notebook that initialized CUDA (the test driver) switches one import and runs
-a two-rank gloo all-reduce whose ranks initialize CUDA."""
+a two-rank gloo all-reduce whose ranks initialize CUDA. Without accelerate (its comparison with
+accelerate's own launcher is test_accelerate.py's, on the torch 2.14 venv)."""
 import json
+import multiprocessing
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 from conftest import open_fds, server_children
@@ -11,13 +15,27 @@ from conftest import open_fds, server_children
 import forkguard
 
 ENV_KEYS = ["RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-            "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "ACCELERATE_MIXED_PRECISION", "NPROC",
-            "NODE_RANK", "FORK_LAUNCHED"]
+            "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "MIXED_PRECISION", "NPROC",
+            "NODE_RANK", "FORK_LAUNCHED", "ACCELERATE_MIXED_PRECISION", "ROLE_NAME",
+            "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_ERROR_FILE"]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def server():
     forkguard.start_server(wait=True)
+    # The rendezvous store is this process's (a TCPStore); torch's first one opens a pipe it keeps
+    # for the life of the process: opened here, before the tests count fds.
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10))
+    # Likewise multiprocessing's resource tracker (a pipe to it), which the named twins of a fork
+    # context's semaphores register with, as any spawn or forkserver semaphore does.
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
     yield
 
 
@@ -48,18 +66,66 @@ def read_envs(out_dir, n):
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(n)]
 
 
-def test_ranks_see_accelerate_and_torchrun_environment(tmp_path, capfd):
+def test_ranks_see_accelerates_and_the_elastic_agents_environment(tmp_path, capfd, monkeypatch):
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
     port = free_port()
     assert forkguard.notebook_launcher(write_env, args=(str(tmp_path),), num_processes=2,
-                                       mixed_precision="BF16", use_port=str(port)) is None
+                                       mixed_precision="BF16", use_port=str(port),
+                                       rdzv_id="job-3") is None
     for r, e in enumerate(read_envs(tmp_path, 2)):
         assert (e["RANK"], e["LOCAL_RANK"], e["GROUP_RANK"]) == (str(r), str(r), "0")
         assert (e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) == ("2", "2")
         assert (e["MASTER_ADDR"], e["MASTER_PORT"]) == ("127.0.0.1", str(port))
         assert e["TORCHELASTIC_RESTART_COUNT"] == "0"
-        assert e["ACCELERATE_MIXED_PRECISION"] == "bf16"
-        assert (e["NPROC"], e["NODE_RANK"], e["FORK_LAUNCHED"]) == ("2", "0", "1")
-    assert "Launching training on 2 GPUs." in capfd.readouterr().out
+        # accelerate's path: MIXED_PRECISION (not ACCELERATE_MIXED_PRECISION), no FORK_LAUNCHED
+        assert (e["MIXED_PRECISION"], e["ACCELERATE_MIXED_PRECISION"]) == ("bf16", None)
+        assert (e["NPROC"], e["NODE_RANK"], e["FORK_LAUNCHED"]) == ("2", "0", None)
+        # torch's elastic agent's
+        assert (e["ROLE_NAME"], e["TORCHELASTIC_RUN_ID"]) == ("default_role", "job-3")
+        assert e["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        assert e["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+        assert e["TORCHELASTIC_ERROR_FILE"].endswith(f"/attempt_0/{r}/error.json")
+    assert "Launching training on 2 CUDAs." in capfd.readouterr().out
+
+
+def all_reduce(out_dir):
+    import torch
+    import torch.distributed as dist
+
+    # TORCHELASTIC_USE_AGENT_STORE: the store is the launcher's, as under torch's elastic agent.
+    dist.init_process_group("gloo")
+    t = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(t)
+    with open(os.path.join(out_dir, f"sum{dist.get_rank()}"), "w") as f:
+        f.write(f"{t.item()} {dist.get_world_size()}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["static", "c10d"])
+def test_ranks_rendezvous_through_the_launchers_store(tmp_path, backend):
+    forkguard.notebook_launcher(all_reduce, args=(str(tmp_path),), num_processes=2,
+                                rdzv_backend=backend, use_port=str(free_port()))
+    assert [(tmp_path / f"sum{r}").read_text() for r in range(2)] == ["3.0 2"] * 2
+
+
+NODE = """\
+import sys, forkguard
+sys.path.insert(0, {here!r})
+from test_notebook_launcher import all_reduce
+forkguard.notebook_launcher(all_reduce, args=({out!r},), num_processes=2, num_nodes=2,
+                            node_rank=int(sys.argv[1]), use_port={port!r})
+"""
+
+
+def test_two_nodes_make_one_world(tmp_path):
+    # Two notebooks, nodes 0 and 1 of a static rendezvous on loopback: four ranks, one all-reduce.
+    script = NODE.format(here=os.path.dirname(__file__), out=str(tmp_path), port=str(free_port()))
+    nodes = [subprocess.Popen([sys.executable, "-c", script, str(n)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for n in (1, 0)]
+    for p in nodes:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out
+    assert [(tmp_path / f"sum{r}").read_text() for r in range(4)] == ["10.0 4"] * 4
 
 
 def test_a_static_rendezvous_endpoint_is_the_master(tmp_path):
@@ -69,20 +135,21 @@ def test_a_static_rendezvous_endpoint_is_the_master(tmp_path):
     assert {e["MASTER_PORT"] for e in read_envs(tmp_path, 2)} == {str(port)}
 
 
-def test_num_processes_none_is_one_rank_per_visible_gpu(fake_cuda, tmp_path, monkeypatch, capfd):
-    # The test driver's NVML shows 3 GPUs; counting them initializes nothing.
+def test_num_processes_is_required_as_accelerate_requires_it():
+    with pytest.raises(ValueError) as info:
+        forkguard.notebook_launcher(write_env)
+    assert str(info.value) == ("You have to specify the number of devices you would like to use, "
+                               "add `num_processes=...` to your call.")
+
+
+def test_one_visible_gpu_one_process_this_one(fake_cuda, monkeypatch, capfd):
+    # The test driver's NVML shows 3 GPUs, one of them visible; counting initializes nothing.
     monkeypatch.setenv("FORKGUARD_NVML_LIBRARY",
                        os.path.join(os.path.dirname(fake_cuda), "libnvidia-ml.so.1"))
     monkeypatch.setenv("FAKE_CUDA_DEVICES", "3")
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert forkguard._native.visible_gpu_count() == 3
-    forkguard.notebook_launcher(write_env, args=(str(tmp_path),), use_port=str(free_port()))
-    assert [e["RANK"] for e in read_envs(tmp_path, 3)] == ["0", "1", "2"]
-    assert "Launching training on 3 GPUs." in capfd.readouterr().out
-    # One visible GPU: one process, this one, as accelerate does.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     seen = []
-    forkguard.notebook_launcher(lambda: seen.append(os.getpid()))
+    forkguard.notebook_launcher(lambda: seen.append(os.getpid()), num_processes=1)
     assert seen == [os.getpid()]
     assert "Launching training on one GPU." in capfd.readouterr().out
     assert forkguard.probe().fork_safe
@@ -91,7 +158,8 @@ def test_num_processes_none_is_one_rank_per_visible_gpu(fake_cuda, tmp_path, mon
 def test_one_process_runs_in_this_process_as_accelerate_does(capfd, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     seen = []
-    forkguard.notebook_launcher(lambda a, b: seen.append((os.getpid(), a + b)), args=(1, 2))
+    forkguard.notebook_launcher(lambda a, b: seen.append((os.getpid(), a + b)), args=(1, 2),
+                                num_processes=1)
     assert seen == [(os.getpid(), 3)]
     assert "Launching training on CPU." in capfd.readouterr().out
 
@@ -101,19 +169,61 @@ def fail_on_rank_1():
         raise KeyError("rank 1 has no data")
 
 
-def test_a_failing_rank_is_a_rank_error():
-    with pytest.raises(forkguard.RankError) as info:
+def test_a_failing_rank_is_torchs_child_failed_error_and_a_rank_error():
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    with pytest.raises(ChildFailedError) as info:
         forkguard.notebook_launcher(fail_on_rank_1, num_processes=2, use_port=str(free_port()))
-    assert info.value.rank == 1 and info.value.exc_type == "KeyError"
+    e = info.value
+    assert isinstance(e, forkguard.RankError)
+    assert e.rank == 1 and e.exc_type == "KeyError" and "rank 1 has no data" in str(e)
+    assert isinstance(e.__cause__, KeyError)
+    # torch's side, as accelerate's ChildFailedError carries it: the failed rank, its error file.
+    assert e.name == "fail_on_rank_1" and list(e.failures) == [1]
+    failure = e.get_first_failure()[1]
+    assert (failure.local_rank, failure.exitcode) == (1, 1)
+    assert "KeyError: 'rank 1 has no data'" in str(failure.message)  # torch: its error file
+    assert "fail_on_rank_1" in e.format_msg()
+
+
+def tough_nut(queue, seen):
+    # accelerate's fault-tolerance test, without its race (both ranks reading): a fork context's
+    # Queue shared across restarts; what a rank puts just before it fails reaches the next one.
+    if os.environ["RANK"] != "0":
+        return
+    trial = queue.get(timeout=60)
+    if trial > 0:
+        queue.put(trial - 1)
+        raise RuntimeError("The nut hasn't cracked yet! Try again.")
+    seen.put(os.environ["TORCHELASTIC_RESTART_COUNT"])
+
+
+def test_a_fork_context_queue_travels_across_restarts(capfd):
+    ctx = multiprocessing.get_context("fork")
+    queue, seen = ctx.Queue(), ctx.Queue()
+    queue.put(2)
+    forkguard.notebook_launcher(tough_nut, (queue, seen), num_processes=2, max_restarts=3,
+                                use_port=str(free_port()))
+    assert seen.get(timeout=10) == "2"
+    assert queue.empty()
+    assert "restarting the group" in capfd.readouterr().err
+    queue.put(7)  # this process's own Queue still works, its count given back
+    assert queue.get(timeout=10) == 7
+    for q in (queue, seen):
+        q.close()
+        q.join_thread()
 
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"mixed_precision": "fp32"},
      "Unknown mixed_precision mode: fp32. Choose between ['no', 'fp8', 'fp16', 'bf16']."),
-    ({"num_nodes": 2}, "num_nodes=2 is not supported"),
+    ({"num_nodes": 2, "rdzv_backend": "c10d"}, "rdzv_backend='c10d' with num_nodes=2 is not "
+                                               "supported"),
     ({"rdzv_backend": "etcd"}, "rdzv_backend='etcd' is not supported"),
-    ({"log_line_prefix_template": "${rank}:"}, "log_line_prefix_template is not supported"),
-    ({"use_port": "http"}, "port 'http' is not a number"),
+    # torch's own words, as accelerate's launch gets them
+    ({"rdzv_backend": "foo"}, "The rendezvous backend 'foo' is not registered."),
+    ({"use_port": "http"}, "The port number of the rendezvous endpoint '127.0.0.1:http' must be "
+                           "an integer between 0 and 65536."),
 ])
 def test_arguments_it_cannot_honour_are_named(kwargs, message):
     with pytest.raises(ValueError) as info:
@@ -137,7 +247,7 @@ def train(scale):
     t = torch.tensor([scale * (dist.get_rank() + 1.0)])
     dist.all_reduce(t)
     print(f"rank {dist.get_rank()}/{dist.get_world_size()} local {os.environ['LOCAL_RANK']}: "
-          f"cuInit={rc} sum={t.item()} precision={os.environ['ACCELERATE_MIXED_PRECISION']}")
+          f"cuInit={rc} sum={t.item()} precision={os.environ['MIXED_PRECISION']}")
     dist.destroy_process_group()
 
 notebook_launcher(train, args=(10.0,), num_processes=2, mixed_precision="fp16", use_port="PORT")
@@ -159,6 +269,6 @@ def test_a_notebook_that_touched_cuda_runs_a_gloo_all_reduce(fake_cuda_env, tmp_
     text = ["".join(o.get("text", "") for o in c.outputs if o.get("output_type") == "stream")
             for c in nb.cells]
     assert "notebook cuInit: 0" in text[0]
-    assert "Launching training on 2 GPUs." in text[1]
+    assert "Launching training on 2 CUDAs." in text[1]
     for r in range(2):
         assert f"[rank{r}]:rank {r}/2 local {r}: cuInit=0 sum=30.0 precision=fp16" in text[1]
