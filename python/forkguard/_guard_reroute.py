@@ -28,9 +28,9 @@ from ._native import Error
 
 
 def _pickler_class():
-    import cloudpickle
+    from . import _by_value  # cloudpickle, keeping the code's file names for tracebacks
 
-    base = cloudpickle.Pickler
+    base = _by_value.Pickler
 
     class GuardPickler(base):
         """cloudpickle (functions and classes of __main__ by value) with multiprocessing's

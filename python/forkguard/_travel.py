@@ -51,9 +51,9 @@ class _Collector:
 
 
 def _pickler_class():
-    import cloudpickle
+    from . import _by_value  # cloudpickle, keeping the code's file names for tracebacks
 
-    base = cloudpickle.Pickler
+    base = _by_value.Pickler
     stdlib = {t: r for t, r in reduction.ForkingPickler._extra_reducers.items()
               if t.__module__.split(".")[0] in _STDLIB}
 
