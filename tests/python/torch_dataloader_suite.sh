@@ -14,6 +14,14 @@
 # The harness is tests/peer-suites/torch-dataloader (another copy with FORKGUARD_PEER_SUITES=DIR);
 # where it is absent the test says so and is skipped (exit 77).
 set -euo pipefail
+# In a /dev/shm of its own where a mount namespace is permitted (root, as CI): the suite's
+# semaphores and torch's shared-memory tensors then neither meet other tests' nor are counted by
+# their /dev/shm checks, so it need not take turns with them (tests/python/CMakeLists.txt asks the
+# same question). What the run leaves there goes with the namespace.
+if [ -z "${FORKGUARD_SUITE_OWN_SHM:-}" ] && unshare -m true 2>/dev/null; then
+  export FORKGUARD_SUITE_OWN_SHM=1
+  exec unshare -m sh -c 'mount -t tmpfs tmpfs /dev/shm && exec "$0" "$@"' "$0" "$@"
+fi
 start=$1
 pydir=$2
 here=$(cd "$(dirname "$0")" && pwd)
