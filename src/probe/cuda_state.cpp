@@ -86,8 +86,8 @@ struct Facts {
   bool gpu_file_mapped = false;
   bool driver_threads = false;
   bool torch_cuda_mapped = false;  // a CUDA build of torch: its own fork flag may be set
-  bool inherited_files = false;  // device-file descriptions shared with the parent
-  bool poisoned_proof = false;   // ... and with an initialized ancestor (see Prober::inherited)
+  bool inherited_files = false;    // device-file descriptions shared with the parent
+  bool poisoned_proof = false;     // ... and with an initialized ancestor (see Prober::inherited)
   // Only for self(), when the driver could be asked.
   bool driver_answered = false;
   bool driver_initialized = false;
