@@ -28,6 +28,7 @@ from torch.utils.data import dataloader as _torch_dl
 from torch.utils.data.dataloader import DataLoader as _TorchDataLoader
 
 from . import _batch_codec, _dataloader_worker, _native, _torch_compat
+from ._probe import probe_if_fork_unsafe
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -315,9 +316,7 @@ def _start_method(loader):
             return "fork", "multiprocessing_context='fork'"
     if choice != "auto":
         return choice, f"worker_start={choice!r}"
-    from ._probe import probe_if_fork_unsafe  # the driver's state, then torch's fork poison
-
-    dirty = probe_if_fork_unsafe()
+    dirty = probe_if_fork_unsafe()  # the driver's state, then torch's fork poison
     if dirty is None:
         return "fork", "this process is fork-safe"
     key = ("server", dirty.verdict)

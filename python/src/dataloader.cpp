@@ -158,10 +158,14 @@ struct Queue {
   }
 
   // Writes `data` into the next job's slot and submits it; (job, worker).
+  // torch's in_order as the queue's order of delivery (and of handing out jobs).
+  static fdd::JobQueue::Order order(bool in_order) {
+    return in_order ? fdd::JobQueue::Order::kJobs : fdd::JobQueue::Order::kDone;
+  }
+
   py::tuple submit(py::buffer data, int worker, bool in_order) {
     auto info = data.request();
-    auto next =
-        q->next_slot(worker, in_order ? fdd::JobQueue::Order::kJobs : fdd::JobQueue::Order::kDone);
+    auto next = q->next_slot(worker, order(in_order));
     const auto n = static_cast<size_t>(info.size * info.itemsize);
     next.memory->reserve(n);
     std::memcpy(next.memory->data(), info.ptr, n);
@@ -174,7 +178,7 @@ struct Queue {
       py::gil_scoped_release nogil;
       std::optional<std::chrono::milliseconds> t;
       if (timeout) t = std::chrono::milliseconds(static_cast<long long>(*timeout * 1000));
-      r = q->next(t, in_order ? fdd::JobQueue::Order::kJobs : fdd::JobQueue::Order::kDone);
+      r = q->next(t, order(in_order));
     }
     if (!r) return py::none();
     switch (r->kind) {
