@@ -26,7 +26,7 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, Optional, Sequence
 
-from ._launch import RankError, notebook_launch
+from ._launch import RankError, notebook_launch, whole
 from ._native import visible_gpu_count
 
 # accelerate.utils.PrecisionType's values, in its order.
@@ -80,6 +80,13 @@ def notebook_launcher(function: Callable[..., Any], args: Sequence[Any] = (),
     if num_processes is None:
         raise ValueError("You have to specify the number of devices you would like to use, add "
                          "`num_processes=...` to your call.")
+    # A count that is not an integer fails here, before "Launching training on 2.5 GPUs." (where
+    # accelerate's own launch fails later, in torch's elastic agent).
+    num_processes, num_nodes, node_rank, max_restarts = (
+        whole(name, value) for name, value in (("num_processes", num_processes),
+                                               ("num_nodes", num_nodes),
+                                               ("node_rank", node_rank),
+                                               ("max_restarts", max_restarts)))
     if node_rank >= num_nodes:
         raise ValueError("The node_rank must be less than the number of nodes.")
     if num_processes > 1:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import json
+import operator
 import os
 import pickle
 import socket
@@ -177,6 +178,16 @@ def _stop_server_at_exit():
         stop_server()
 
 
+def whole(name: str, value: Any) -> int:
+    """``value`` as the int a count must be (what ``range()`` accepts: int, bool, numpy's ints),
+    or a TypeError naming the argument, before anything is printed or started."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, not {type(value).__name__} "
+                        f"({value!r})") from None
+
+
 def notebook_launch(fn: Callable[..., Any], args: Sequence[Any] = (), nproc: int = 1, *,
                     kwargs: Optional[Dict[str, Any]] = None, bind_gpus: bool = False,
                     max_restarts: int = 0, master_addr: str = "127.0.0.1",
@@ -212,6 +223,10 @@ def notebook_launch(fn: Callable[..., Any], args: Sequence[Any] = (), nproc: int
     nodes of ``nproc`` ranks each (RANK = node_rank * nproc + LOCAL_RANK), whose rank 0 listens
     at ``master_addr``:``master_port`` (required then); run the same call on every node.
     """
+    nproc, nnodes, node_rank, max_restarts = (
+        whole(name, value) for name, value in (("nproc", nproc), ("nnodes", nnodes),
+                                               ("node_rank", node_rank),
+                                               ("max_restarts", max_restarts)))
     if nproc < 1:
         raise ValueError("nproc must be at least 1")
     from . import _travel

@@ -41,6 +41,15 @@ def test_ranks_get_torchrun_env_and_prefixed_output(capfd):
     assert server_children() == []
 
 
+def test_a_count_that_is_not_an_integer_is_a_type_error_naming_it():
+    with pytest.raises(TypeError, match=r"^nproc must be an integer, not float \(2\.5\)$"):
+        forkguard.notebook_launch(rank_env, nproc=2.5)
+    # numpy's integers are counts, as range() takes them
+    np = pytest.importorskip("numpy")
+    assert len(forkguard.notebook_launch(rank_env, nproc=np.int64(2))) == 2
+    assert server_children() == []
+
+
 def test_closures_travel_by_value():
     scale = 7
     assert forkguard.notebook_launch(lambda a, b=0: (a + b) * scale, args=(1,), nproc=2,

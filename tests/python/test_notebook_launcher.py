@@ -142,6 +142,20 @@ def test_num_processes_is_required_as_accelerate_requires_it():
                                "add `num_processes=...` to your call.")
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"num_processes": 2.5}, "num_processes must be an integer, not float (2.5)"),
+    ({"num_processes": 2, "num_nodes": "2"}, "num_nodes must be an integer, not str ('2')"),
+    ({"num_processes": 2, "max_restarts": 1.0}, "max_restarts must be an integer, not float (1.0)"),
+])
+def test_a_count_that_is_not_an_integer_is_refused_before_anything_starts(kwargs, message,
+                                                                          capfd):
+    with pytest.raises(TypeError) as info:
+        forkguard.notebook_launcher(write_env, **kwargs)
+    assert str(info.value) == message
+    # Before accelerate's "Launching training on 2.5 GPUs." line, and before any rank.
+    assert capfd.readouterr().out == ""
+
+
 def test_one_visible_gpu_one_process_this_one(fake_cuda, monkeypatch, capfd):
     # The test driver's NVML shows 3 GPUs, one of them visible; counting initializes nothing.
     monkeypatch.setenv("FORKGUARD_NVML_LIBRARY",
