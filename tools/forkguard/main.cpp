@@ -21,8 +21,6 @@
 #include <optional>
 
 #include "cli_common.hpp"
-#include "forkguard/cuda/nvml.hpp"
-#include "forkguard/cuda/visible_devices.hpp"
 #include "forkguard/doctor/report.hpp"
 #include "forkguard/init.hpp"
 #include "forkguard/launch/environment.hpp"
