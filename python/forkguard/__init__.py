@@ -16,7 +16,8 @@ At import, while this process is still fork-safe, forkguard starts its C++ fork 
 fork of this process that forks ImageLoader's process workers, so they stay CUDA-clean even
 after this process initializes CUDA). FORKGUARD_NO_FORK_SERVER=1 turns that off; process
 workers then come from a guarded fork, refused once CUDA is initialized here.
-FORKGUARD_GUARD=reroute|refuse|warn calls guard() with that policy at import.
+FORKGUARD_GUARD=reroute|refuse|warn calls guard() with that policy at import, and with the
+start-up hook installed (forkguard-guard.pth beside the package) at every interpreter's start.
 """
 import os as _os
 import sys as _sys
@@ -39,19 +40,31 @@ __all__ = [
     "notebook_launcher", "probe", "start_server", "stop_server", "unguard",
 ]
 
-if not _os.environ.get("FORKGUARD_NO_FORK_SERVER"):
+# forkguard's own Python fork server (_server.py) imports this package to preload it, or from
+# FORKGUARD_GUARD's start-up hook (forkguard-guard.pth): no C++ fork server, guard or torch check
+# there (its children are forks of it).
+_in_server = _os.path.basename(getattr(_sys, "argv", None) and _sys.argv[0] or "").startswith(
+    "_server")
+
+if not _os.environ.get("FORKGUARD_NO_FORK_SERVER") and not _in_server:
     _native.start_fork_server()
 
-_guard.guard_from_environment()
-
-if not _os.path.basename(_sys.argv[0] if _sys.argv else "").startswith("_server"):
+if not _in_server:
+    _guard.guard_from_environment()
     _torch_compat.warn_if_untested()  # once, here, not in forkguard's own fork server
 
 
 def __getattr__(name):
     # forkguard.DataLoader and its exceptions import torch: only when asked for.
     if name in ("DataLoader", "CudaInWorkerError", "CudaInWorkerWarning"):
-        from . import _dataloader
+        try:
+            from . import _dataloader
+        except ModuleNotFoundError as e:
+            if e.name != "torch":
+                raise
+            raise ImportError(
+                f"forkguard.{name} is torch's DataLoader and needs PyTorch, which this Python "
+                f"({_sys.executable}) cannot import: pip install 'forkguard[torch]'") from e
 
         return getattr(_dataloader, name)
     raise AttributeError(f"module 'forkguard' has no attribute {name!r}")

@@ -11,7 +11,8 @@ Not fork-safe, by policy:
   reroute  the child is forked by the interpreter fork server notebook_launch uses (a freshly
            executed interpreter, CUDA-clean), prepared as multiprocessing's spawn and forkserver
            children are; the Process travels by value (cloudpickle), multiprocessing's objects in
-           its arguments as the forkserver passes them (fds over SCM_RIGHTS, semaphores by name);
+           its arguments as the forkserver passes them (fds over SCM_RIGHTS, semaphores by name),
+           the __main__ globals it refers to with this process's values (_guard_reroute.py);
   refuse   ForkUnsafeError with the evidence and the cures, before any child exists;
   warn     one warning with the evidence, then the plain fork.
 Under the guard a dirty os.fork() (which cannot be rerouted without changing its meaning) is

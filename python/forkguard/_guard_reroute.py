@@ -1,30 +1,74 @@
 """The parent's side of a rerouted start (forkguard.guard(), policy "reroute").
 
 The child is forked by the interpreter fork server of notebook_launch (``_launch._server``): one
-"guard_start" request carrying a memfd with three pickles (multiprocessing's preparation data,
-``__main__`` by value when it has no file, the Process object) and the fds the child needs:
-  [payload, sentinel write end, parent-alive read end, stdout, stderr, *inherited]
+"guard_start" request carrying a memfd (the payload, below) and the fds the child needs:
+  [payload, sentinel write end, parent-alive read end, stdout, stderr, resource tracker,
+   *inherited]
 ``inherited`` are the fds multiprocessing's reducers asked for (DupFd: Connections, Arenas,
-torch's shared-memory storages), found by the child as a forkserver child finds them.
+torch's shared-memory storages), found by the child as a forkserver child finds them; the
+resource tracker is this process's, which a spawn child shares too (a SharedMemory the child
+attaches to stays its creator's to unlink).
 The server reports the child's exit status; the Popen below reads it from there.
+
+__main__ in the child is what a spawn child has (the script imported by path as __mp_main__, or
+a fresh module when __main__ has no file) with, over it, this process's values of the __main__
+globals the Process refers to (and, without a file, all of __main__'s functions and classes), as
+a fork would see them. They are one name each (``_main_state``): a function of __main__ runs with
+the child's __main__ as its globals, and what the Process holds of __main__ by name travels by
+reference to it, so the child's __main__.X is the X it was given (an initializer's global is the
+tasks' global; an instance of a __main__ class pickles again in the child). A value that cannot
+travel, or cannot be rebuilt in the child, is left to the child's own import, as under spawn.
+
+The payload: large buffers (numpy arrays: ``_OUT_OF_BAND``) first, each at a page boundary, then
+one plain pickle of the parts, each a pickle and the indexes of its buffers; the child maps the
+buffers copy-on-write instead of reading them, and this process writes them straight from their
+memory: a 400 MB global costs one copy in the memfd per start, no pickled copy in this process.
 """
 from __future__ import annotations
 
+import importlib
 import io
+import mmap
 import os
 import pickle
 import signal
 import sys
 import time
+import types
 from collections import ChainMap
 from typing import Optional
 
-from multiprocessing import connection, context, popen_forkserver, reduction, spawn, util
-from multiprocessing import synchronize
+from multiprocessing import connection, context, popen_forkserver, reduction, resource_tracker
+from multiprocessing import spawn, synchronize, util
 
 from . import _launch
 from ._guard import RerouteError
 from ._native import Error
+
+
+_OUT_OF_BAND = 1 << 20  # a buffer this large travels beside the pickle, mapped by the child
+
+
+class _ChildMain:
+    """Pickled as the child's __main__ module."""
+
+
+class _ChildMainDict:
+    """Pickled as the child's __main__.__dict__: the globals of __main__'s functions there."""
+
+
+_CHILD_MAIN = _ChildMain()
+_CHILD_MAIN_DICT = _ChildMainDict()
+
+
+def _main_name(main, obj):
+    """The name under which ``obj``, a function or class of __main__, is a __main__ global."""
+    if (type(obj) is types.FunctionType or isinstance(obj, type)) and \
+            getattr(obj, "__module__", None) == "__main__":
+        name = getattr(obj, "__qualname__", None)
+        if isinstance(name, str) and vars(main).get(name) is obj:
+            return name
+    return None
 
 
 def _pickler_class():
@@ -34,18 +78,49 @@ def _pickler_class():
 
     class GuardPickler(base):
         """cloudpickle (functions and classes of __main__ by value) with multiprocessing's
-        reducers (Connection, Arena, SemLock, torch's tensors: ForkingPickler._extra_reducers)."""
+        reducers (Connection, Arena, SemLock, torch's tensors: ForkingPickler._extra_reducers).
+        With ``main``: __main__'s functions and classes (but ``root``) by reference to the
+        child's __main__, their names in ``main_refs``, and __main__'s functions with the child's
+        __main__ as their globals (the names they read in ``main_names``, not in their state)."""
 
         dispatch_table = ChainMap(reduction.ForkingPickler._extra_reducers, base.dispatch_table)
 
+        def __init__(self, file, main=None, root=None, buffer_callback=None):
+            super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL,
+                             buffer_callback=buffer_callback)
+            self._main = main
+            self._root = root
+            self.main_refs = set()
+            self.main_names = set()
+
         def reducer_override(self, obj):
+            if obj is _CHILD_MAIN_DICT:
+                return vars, (_CHILD_MAIN,)
+            if obj is _CHILD_MAIN:
+                return importlib.import_module, ("__main__",)
             if isinstance(obj, synchronize.SemLock) and obj._semlock.name is None:
                 raise _CannotTravel(
                     f"{type(obj).__name__} {obj!r} was created by the fork context while this "
                     "process was fork-safe (or before guard()): its semaphore has no name, so a "
                     "child that is not a fork of this process cannot open it. Create it after "
                     "guard() once CUDA is initialized, or use get_context('spawn')")
+            if self._main is not None and obj is not self._root:
+                name = _main_name(self._main, obj)
+                if name is not None:
+                    self.main_refs.add(name)
+                    return NotImplemented  # pickle's own: by reference, __main__.name
             return super().reducer_override(obj)
+
+        def _dynamic_function_reduce(self, func):
+            reduced = super()._dynamic_function_reduce(func)
+            if self._main is None or func.__globals__ is not vars(self._main):
+                return reduced
+            make, newargs, (state, slotstate), *rest = reduced
+            self.main_names.update(name for name in slotstate["__globals__"]
+                                   if not (name.startswith("__") and name.endswith("__")))
+            slotstate = dict(slotstate, __globals__={})
+            return (make, (newargs[0], _CHILD_MAIN_DICT, *newargs[2:]), (state, slotstate),
+                    *rest)
 
     return GuardPickler
 
@@ -57,31 +132,109 @@ class _CannotTravel(Exception):
 _pickler = None
 
 
-def _dumps(obj) -> bytes:
-    global _pickler
-    if _pickler is None:
-        _pickler = _pickler_class()
-    buf = io.BytesIO()
-    _pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    return buf.getvalue()
+class _Pickled:
+    """One object's pickle: its bytes, its out-of-band buffers, the __main__ names it refers to."""
+
+    def __init__(self, obj, main=None, root=None):
+        global _pickler
+        if _pickler is None:
+            _pickler = _pickler_class()
+        self.views = []
+        buf = io.BytesIO()
+        pickler = _pickler(buf, main, root, self._offer)
+        pickler.dump(obj)
+        self.data = buf.getvalue()
+        self.refs = pickler.main_refs
+        self.names = pickler.main_refs | pickler.main_names
+
+    def _offer(self, buffer):
+        """pickle's buffer_callback: a large contiguous buffer out of band (a false return)."""
+        try:
+            view = buffer.raw()
+        except BufferError:
+            return True
+        if view.nbytes < _OUT_OF_BAND:
+            return True
+        self.views.append(view)
+        return False
 
 
-def _main_by_value():
-    """__main__'s functions and classes, by value, for a __main__ without a file (a notebook,
-    python -c): what multiprocessing's queues later pickle by reference to __main__ resolves."""
-    main = sys.modules.get("__main__")
-    out = {}
-    if main is None:
-        return out
-    for name, obj in list(vars(main).items()):
-        if isinstance(obj, type) or callable(obj) and hasattr(obj, "__code__"):
-            if getattr(obj, "__module__", None) != "__main__":
-                continue
-            try:
-                out[name] = _dumps(obj)
-            except Exception:  # noqa: BLE001 - what cannot travel is looked up in vain, as in spawn
-                continue
-    return out
+def _main_definitions(main):
+    """__main__'s functions and classes, for a __main__ without a file (a notebook, python -c):
+    what multiprocessing's queues later pickle by reference to __main__ resolves."""
+    return {name for name, obj in list(vars(main).items()) if _main_name(main, obj) == name}
+
+
+def _main_state(main, names, process):
+    """[(name, _Pickled)]: the __main__ globals ``names`` and those they refer to, each by value,
+    in an order where what one refers to by name is installed before it. What cannot be pickled
+    is left to the child's import of __main__, as in spawn, but for an error as it was when it
+    travelled inside the Process: a function or class the Process refers to by name, or an
+    unnamed semaphore (_CannotTravel) the Process refers to or its functions read."""
+    pickled = {}
+    todo = sorted(names, reverse=True)
+    while todo:
+        name = todo.pop()
+        if name in pickled or name not in vars(main):
+            continue
+        value = vars(main)[name]
+        try:
+            pickled[name] = part = _Pickled(value, main, root=value)
+        except _CannotTravel:
+            if name in process.names:
+                raise
+            pickled[name] = None
+            continue
+        except Exception as e:  # noqa: BLE001 - left to the child's import, but as said above
+            if name in process.refs:
+                raise _CannotTravel(f"__main__.{name} cannot be pickled by value: "
+                                    f"{type(e).__name__}: {e}") from e
+            pickled[name] = None
+            continue
+        todo.extend(sorted(part.names - pickled.keys(), reverse=True))
+    order, placed = [], set()
+    for first in sorted(pickled):
+        if first in placed:
+            continue
+        stack = [(first, iter(sorted(pickled[first].names if pickled[first] else ())))]
+        placed.add(first)
+        while stack:
+            name, deps = stack[-1]
+            dep = next((d for d in deps if d in pickled and d not in placed), None)
+            if dep is None:
+                stack.pop()
+                order.append(name)
+            else:
+                placed.add(dep)
+                stack.append((dep, iter(sorted(pickled[dep].names if pickled[dep] else ()))))
+    return [(name, pickled[name]) for name in order if pickled[name] is not None]
+
+
+def _write_payload(fd, parts):
+    """Writes ``parts`` ({key: _Pickled or [(name, _Pickled)]}) to the memfd: the buffers from
+    offset 0, each page-aligned, then the parts' pickle, where the fd's offset is left."""
+    table, offset = [], 0
+
+    def place(part):
+        nonlocal offset
+        indexes = []
+        for view in part.views:
+            indexes.append(len(table))
+            table.append((offset, view.nbytes, view.readonly))
+            done = 0
+            while done < view.nbytes:
+                done += os.pwrite(fd, view[done:], offset + done)
+            offset += -(-view.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        return part.data, indexes
+
+    out = {key: [(name, place(p)) for name, p in part] if isinstance(part, list) else place(part)
+           for key, part in parts.items()}
+    out["buffers"] = table
+    data = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+    os.lseek(fd, offset, os.SEEK_SET)  # the child reads from this fd's offset
 
 
 class ReroutedPopen:
@@ -103,12 +256,17 @@ class ReroutedPopen:
 
     def _launch(self, process_obj, dirty):
         prep = spawn.get_preparation_data(process_obj._name)
-        by_value = {} if ("init_main_from_path" in prep or "init_main_from_name" in prep) \
-            else _main_by_value()
+        main = sys.modules.get("__main__")
+        resource_tracker.ensure_running()
         context.set_spawning_popen(self)
         try:
-            parts = [_dumps(prep), _dumps(by_value), _dumps(dict(os.environ)),
-                     _dumps(process_obj)]
+            parts = {"prep": _Pickled(prep), "environ": _Pickled(dict(os.environ))}
+            parts["process"] = _Pickled(process_obj, main)
+            if main is not None:
+                names = set(parts["process"].names)
+                if "init_main_from_path" not in prep and "init_main_from_name" not in prep:
+                    names |= _main_definitions(main)
+                parts["main"] = _main_state(main, names, parts["process"])
         except _CannotTravel as e:
             raise RerouteError(dirty, process_obj.name, str(e)) from None
         except Exception as e:  # noqa: BLE001 - converted: the message names what failed
@@ -121,14 +279,13 @@ class ReroutedPopen:
         sentinel_r, sentinel_w = os.pipe()
         alive_r, alive_w = os.pipe()
         try:
-            with os.fdopen(os.dup(memfd), "wb") as f:
-                for p in parts:
-                    f.write(p)
-            os.lseek(memfd, 0, os.SEEK_SET)  # the child reads from this fd's offset
+            _write_payload(memfd, parts)
+            del parts
             with _launch._lock:
                 server = _server()
             msg = server.exchange(["guard_start", process_obj.name],
-                                  [memfd, sentinel_w, alive_r, 1, 2] + self._fds, 60.0)
+                                  [memfd, sentinel_w, alive_r, 1, 2, resource_tracker.getfd()]
+                                  + self._fds, 60.0)
             if msg is None or msg[0] != "guard_started":
                 raise Error(f"forkguard.guard(): the fork server could not start "
                             f"{process_obj.name}: {msg[1] if msg else 'no answer'}")

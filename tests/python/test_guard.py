@@ -292,6 +292,199 @@ def test_reroute_process_pool_executor_fork_context(script):
     assert "results [0, 1, 4, 9, 16, 25]" in out.stdout
 
 
+def test_reroute_pool_initializer_sets_a_main_global_the_tasks_see(script):
+    # As under spawn and fork: the initializer and the tasks share the child's __main__.
+    out = script("""
+        import concurrent.futures
+
+        STATE = None
+
+        def init(value):
+            global STATE
+            STATE = value
+
+        def task(x):
+            return (STATE, x, cuinit())
+
+        if __name__ == "__main__":
+            cuinit()
+            forkguard.guard()
+            with mp.Pool(2, initializer=init, initargs=("pool",)) as pool:
+                print("pool", pool.map(task, range(3)))
+            with concurrent.futures.ProcessPoolExecutor(
+                    2, mp_context=mp.get_context("fork"), initializer=init,
+                    initargs=("executor",)) as ex:
+                print("executor", list(ex.map(task, range(3))))
+    """)
+    assert "pool [('pool', 0, 0), ('pool', 1, 0), ('pool', 2, 0)]" in out.stdout, out.stderr
+    assert "executor [('executor', 0, 0), ('executor', 1, 0), ('executor', 2, 0)]" in \
+        out.stdout, out.stderr
+    assert "clean interpreter fork server" in out.stderr
+
+
+def test_reroute_children_attach_to_shared_memory_and_leave_it_to_its_owner(script):
+    # A child that attaches registers the segment with its parent's resource tracker, as a spawn
+    # child does: its exit unlinks nothing (it did: the next child got FileNotFoundError).
+    out = script("""
+        from multiprocessing import shared_memory
+
+        def attach(name, i):
+            shm = shared_memory.SharedMemory(name)
+            shm.buf[i] = i + 1 + cuinit()
+            shm.close()
+
+        if __name__ == "__main__":
+            cuinit()
+            forkguard.guard()
+            shm = shared_memory.SharedMemory(create=True, size=4)
+            codes = []
+            for i in range(3):
+                p = mp.Process(target=attach, args=(shm.name, i))
+                p.start()
+                p.join()
+                codes.append(p.exitcode)
+            print("codes", codes, "buf", bytes(shm.buf[:3]))
+            print("exists", os.path.exists("/dev/shm/" + shm.name.lstrip("/")))
+            shm.close()
+            shm.unlink()
+            print("unlinked", not os.path.exists("/dev/shm/" + shm.name.lstrip("/")))
+    """)
+    assert "codes [0, 0, 0] buf b'\\x01\\x02\\x03'" in out.stdout, out.stdout + out.stderr
+    assert "exists True" in out.stdout and "unlinked True" in out.stdout
+    assert "leaked" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_reroute_child_puts_main_class_instances_and_maps_main_functions(script):
+    # The by-value copies are the child's __main__ objects: what it sends by reference to
+    # __main__ pickles (it raised PicklingError "not the same object as __main__.Point" in the
+    # child, and the parent's get() blocked forever).
+    out = script("""
+        import torch.multiprocessing as tmp
+
+        class Point:
+            def __init__(self, x):
+                self.x = x
+
+        def double(p):
+            return Point(p.x * 2)
+
+        def work(q):
+            q.put(Point(cuinit() + 5))
+            with mp.Pool(2) as pool:  # a fork of this clean child
+                q.put([p.x for p in pool.map(double, [Point(1), Point(2)])])
+
+        def rank(i, q):
+            q.put(Point(i))
+
+        if __name__ == "__main__":
+            cuinit()
+            forkguard.guard()
+            q = mp.Queue()
+            p = mp.Process(target=work, args=(q,))
+            p.start()
+            p.join()  # its feeder thread wrote what it could before it exited: no wait on get
+            got = []
+            while not q.empty():
+                got.append(q.get_nowait())
+            print("queue", type(got[0]).__name__ if got else None, [getattr(g, "x", g) for g in got])
+            print("exit", p.exitcode)
+            sq = tmp.get_context("fork").SimpleQueue()
+            ctx = tmp.start_processes(rank, args=(sq,), nprocs=2, start_method="fork",
+                                      join=False)
+            while not ctx.join():
+                pass
+            got = []
+            while not sq.empty():
+                got.append(sq.get().x)
+            print("ranks", sorted(got))
+            q.close(); q.join_thread()
+    """)
+    assert "queue Point [5, [2, 4]]" in out.stdout, out.stdout + out.stderr
+    assert "exit 0" in out.stdout and "ranks [0, 1]" in out.stdout, out.stdout + out.stderr
+    assert "PicklingError" not in out.stderr, out.stderr
+
+
+def test_reroute_a_main_global_that_cannot_be_rebuilt_in_the_child_is_its_own(script):
+    # A __main__ global that a spawn child would build for itself (its import of the script),
+    # but whose parent's value cannot be rebuilt in the child, is the child's own value there:
+    # the child runs, as under spawn, instead of failing before its target and leaving the
+    # parent's get() waiting forever.
+    out = script("""
+        def _rebuild(pid):
+            if os.getpid() != pid:
+                raise RuntimeError("only in the process that made it")
+            return Handle()
+
+        class Handle:
+            def __init__(self):
+                self.pid = os.getpid()
+
+            def __reduce__(self):
+                return _rebuild, (self.pid,)
+
+        HANDLE = Handle()
+
+        def work(q):
+            q.put((HANDLE.pid == os.getpid(), cuinit()))
+
+        if __name__ == "__main__":
+            cuinit()
+            forkguard.guard()
+            q = mp.SimpleQueue()
+            p = mp.Process(target=work, args=(q,))
+            p.start()
+            p.join()
+            print("child", None if q.empty() else q.get())
+            print("exit", p.exitcode)
+    """)
+    assert "child (True, 0)" in out.stdout and "exit 0" in out.stdout, out.stdout + out.stderr
+
+
+def test_reroute_a_large_main_global_is_not_copied_in_the_parent(script):
+    # A 256 MB array of __main__ that the children read: each child gets the parent's value at
+    # its start (as a fork does: the parent's change between starts is seen, the child's own
+    # writes are its own), without a pickled copy of it in the parent (its peak RSS grew by
+    # 256-512 MB).
+    pytest.importorskip("numpy")
+    out = script("""
+        import numpy as np
+
+        BIG = np.zeros(32 * 2**20)  # 256 MB
+
+        def hwm():
+            with open("/proc/self/status") as f:
+                return next(int(l.split()[1]) for l in f if l.startswith("VmHWM")) * 1024
+
+        def work(q, i):
+            first = float(BIG[0])
+            BIG[1] = -1.0  # its own copy
+            q.put((i, first, float(BIG[2:].sum()), BIG.shape, cuinit()))
+
+        if __name__ == "__main__":
+            cuinit()
+            forkguard.guard()
+            BIG[2:] = 1.0
+            q = mp.SimpleQueue()
+            before = hwm()
+            got = []
+            for i in range(4):
+                BIG[0] = i  # seen by child i
+                p = mp.Process(target=work, args=(q, i))
+                p.start()
+                got.append(q.get())
+                p.join()
+            grew = hwm() - before
+            print("got", got)
+            print("parent", BIG[0], BIG[1])
+            print("grew MB", grew // 2**20, "ok" if grew < 64 * 2**20 else "too much")
+    """)
+    n = 32 * 2**20 - 2
+    assert "got " + repr([(i, float(i), float(n), (n + 2,), 0) for i in range(4)]) in \
+        out.stdout, out.stdout + out.stderr
+    assert "parent 3.0 0.0" in out.stdout
+    assert "ok" in out.stdout, out.stdout
+
+
 DATALOADER = """
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -544,3 +737,67 @@ def test_importing_the_cli_module_keeps_forkguard_guard_callable():
     finally:
         forkguard.unguard()
     assert forkguard._guard.guarded() is None
+
+
+def test_the_environment_variable_guards_a_script_that_never_imports_forkguard(
+        fake_cuda_env, tmp_path):
+    # forkguard installed in a site-packages directory (here a venv over this interpreter, its
+    # site-packages given the build's start-up hook and a path entry to the build's package):
+    # FORKGUARD_GUARD=reroute guards unchanged code; unset, forkguard is not even imported.
+    build_python = os.path.dirname(os.path.dirname(os.path.abspath(forkguard.__file__)))
+    hook = os.path.join(build_python, "forkguard-guard.pth")
+    assert os.path.exists(hook), "the build places the start-up hook beside the package"
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
+                    str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    site_packages = subprocess.run(
+        [python, "-c", "import site; print(site.getsitepackages()[0])"], check=True,
+        capture_output=True, text=True, timeout=60).stdout.strip()
+    import site
+
+    # This interpreter's own packages too (the torch venv's cloudpickle), after the build's.
+    paths = [build_python] + [p for p in site.getsitepackages() if os.path.isdir(p)]
+    with open(os.path.join(site_packages, "forkguard-build.pth"), "w") as f:
+        f.write("\n".join(paths) + "\n")
+    with open(hook) as src, open(os.path.join(site_packages, "forkguard-guard.pth"), "w") as f:
+        f.write(src.read())
+    script = tmp_path / "plain.py"
+    script.write_text(textwrap.dedent("""
+        import ctypes, os, sys
+        import multiprocessing as mp
+
+        def cuinit():
+            return ctypes.CDLL(os.environ["FORKGUARD_TEST_FAKE_CUDA"]).cuInit(0)
+
+        def work(q):
+            q.put(cuinit())
+
+        if __name__ == "__main__":
+            print("imported:", "forkguard" in sys.modules)
+            cuinit()
+            q = mp.SimpleQueue()
+            p = mp.Process(target=work, args=(q,))
+            p.start()
+            p.join()
+            print("child cuInit:", q.get())
+    """))
+    marker = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FORKGUARD_GUARD")}
+    env["FORKGUARD_GUARD_TEST"] = marker
+    runs = {}
+    for value in (None, "reroute"):
+        run_env = dict(env, **({"FORKGUARD_GUARD": value} if value else {}))
+        runs[value] = subprocess.run([python, str(script)], capture_output=True, text=True,
+                                     timeout=300, env=run_env, cwd=tmp_path)
+    out = runs[None]
+    assert out.returncode == 0 and "imported: False" in out.stdout, out.stdout + out.stderr
+    assert "child cuInit: 3" in out.stdout, out.stdout + out.stderr  # a plain fork
+    out = runs["reroute"]
+    assert out.returncode == 0 and "imported: True" in out.stdout, out.stdout + out.stderr
+    assert "child cuInit: 0" in out.stdout, out.stdout + out.stderr
+    assert out.stderr.count("clean interpreter fork server") == 1, out.stderr
+    deadline = time.monotonic() + 30
+    while marked_pids(f"FORKGUARD_GUARD_TEST={marker}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marked_pids(f"FORKGUARD_GUARD_TEST={marker}") == []
