@@ -6,12 +6,20 @@ payloads that do not depend on where the code is), so a traceback from a child t
 shows neither the file nor its source lines, where a forked child (torch's DataLoader workers)
 shows both. forkguard's children run on the same machine as their parent: the real name lets
 linecache find the source. With older cloudpickle (Debian 12's 2.2) the name was kept already.
+
+In a child of multiprocessing's spawn (torch.multiprocessing.spawn's ranks) the script runs as
+module ``__mp_main__``, an alias a fork-server child has not: cloudpickle would pickle its
+functions and classes by reference to it. They go by value, as ``__main__``'s do.
 """
 import io
+import sys
 import types
 from collections import ChainMap
 
 import cloudpickle
+
+# cloudpickle's module with its reducers (cloudpickle.cloudpickle in 3.x, cloudpickle_fast in 2.x)
+_impl = sys.modules[cloudpickle.Pickler.__module__]
 
 _ANONYMOUS = "<dynamic-code>"
 
@@ -28,6 +36,13 @@ class Pickler(cloudpickle.Pickler):
     """cloudpickle's Pickler, keeping code objects' file names."""
 
     dispatch_table = ChainMap({types.CodeType: _code_reduce}, cloudpickle.Pickler.dispatch_table)
+
+    def reducer_override(self, obj):
+        if isinstance(obj, type) and getattr(obj, "__module__", None) == "__mp_main__":
+            return _impl._dynamic_class_reduce(obj)
+        if isinstance(obj, types.FunctionType) and obj.__module__ == "__mp_main__":
+            return self._dynamic_function_reduce(obj)
+        return super().reducer_override(obj)
 
 
 def dumps(obj, protocol=None):

@@ -14,6 +14,9 @@ collate_fn and worker_init_fn by value (cloudpickle).
 """
 import atexit
 import gc
+import itertools
+import multiprocessing
+import operator
 import os
 import pickle
 import signal
@@ -88,6 +91,15 @@ class DataLoader(_TorchDataLoader[T_co]):
         self._live = None  # weak reference to the iterator of the current pass
         self.stats = {"epochs": []}
         super().__init__(dataset, *args, **kwargs)
+        if self.num_workers > 0:
+            # torch takes a float for either and fails in iter() (range(2.5)): said here
+            for name in ("num_workers", "prefetch_factor"):
+                value = getattr(self, name)
+                try:
+                    operator.index(value)
+                except TypeError as e:
+                    raise TypeError(f"{name} must be an integer, not {value!r} (torch: {e})") \
+                        from None
 
     def _get_iterator(self):
         if self.num_workers == 0:
@@ -107,10 +119,9 @@ class DataLoader(_TorchDataLoader[T_co]):
             return {"epoch": self._next_epoch, "yielded": 0, "rng": _rng_state(self),
                     "base_seed": None}
         state = {"epoch": it._fg_epoch, "yielded": it._num_yielded, "rng": it._fg_rng,
-                 "base_seed": it._base_seed}
+                 "base_seed": it._base_seed, "num_workers": self.num_workers}
         if it._fg_stateful:  # an IterableDataset that says where it is: each worker's copy's
-            state.update(dataset_states=dict(it._fg_states), next_worker=it._fg_next_worker,
-                         num_workers=self.num_workers)
+            state.update(dataset_states=dict(it._fg_states), next_worker=it._fg_next_worker)
         return state
 
     def load_state_dict(self, state):
@@ -119,16 +130,60 @@ class DataLoader(_TorchDataLoader[T_co]):
             if key not in state:
                 raise ValueError(f"load_state_dict: the state has no {key!r} (keys: "
                                  f"{sorted(state)}): not a forkguard.DataLoader state")
+        self._check_state(state)
         if "dataset_states" in state and state["num_workers"] != self.num_workers:
             raise ValueError(
                 f"load_state_dict: the state holds the IterableDataset states of "
                 f"{state['num_workers']} workers (each resumes its own copy's iteration) and "
                 f"this loader has num_workers={self.num_workers}: resume with as many workers")
+        if self._dataset_kind == _torch_dl._DatasetKind.Iterable and state["yielded"] and \
+                "dataset_states" not in state and \
+                state.get("num_workers", self.num_workers) != self.num_workers:
+            # each worker iterates its own copy (sharded by get_worker_info()) and the batches
+            # come from them in turn: another count replays other batches
+            raise ValueError(
+                f"load_state_dict: the state was taken after {state['yielded']} batches of an "
+                f"IterableDataset without state_dict()/load_state_dict(), which a resumed pass "
+                f"replays, with num_workers={state['num_workers']} (its batches depend on the "
+                f"worker count), and this loader has num_workers={self.num_workers}: resume "
+                f"with as many workers")
         self._resume = dict(state)
         self._next_epoch = state["epoch"]
         if self._iterator is not None:  # persistent workers: the next pass restarts its iterator
             self._iterator._shutdown_workers()
             self._iterator = None
+
+
+    def _check_state(self, state):
+        """A ValueError naming what in `state` no state_dict() gives."""
+        def is_int(x):
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        yielded, rng = state["yielded"], state["rng"]
+        if not is_int(state["epoch"]):
+            raise ValueError(f"load_state_dict: epoch={state['epoch']!r}: the pass's number must "
+                             f"be an int")
+        if not is_int(yielded) or yielded < 0:
+            raise ValueError(f"load_state_dict: yielded={yielded!r}: the count of batches the "
+                             f"pass yielded must be an int, 0 or more")
+        if not (isinstance(rng, torch.Tensor) and rng.dtype == torch.uint8):
+            raise ValueError(f"load_state_dict: rng is a {type(rng).__name__}, not a generator's "
+                             f"state (a uint8 tensor)")
+        if state["base_seed"] is not None and not is_int(state["base_seed"]):
+            raise ValueError(f"load_state_dict: base_seed={state['base_seed']!r}: the workers' "
+                             f"base seed must be an int or None")
+        if "num_workers" in state and (not is_int(state["num_workers"]) or
+                                       state["num_workers"] < 0):
+            raise ValueError(f"load_state_dict: num_workers={state['num_workers']!r} must be an "
+                             f"int, 0 or more")
+        if self._dataset_kind == _torch_dl._DatasetKind.Map:
+            try:
+                batches = len(self)
+            except TypeError:  # a sampler without a length
+                return
+            if yielded > batches:
+                raise ValueError(f"load_state_dict: yielded={yielded}: a pass of this loader "
+                                 f"has {batches} batches")
 
 
 DataLoader.__init__.__signature__ = _torch_compat.loader_signature(_TorchDataLoader.__init__,
@@ -189,6 +244,9 @@ class _Pass:
             self._fg_epoch = loader._next_epoch
         loader._next_epoch = self._fg_epoch + 1
         self._fg_rng = _rng_state(loader)
+        if loader.seed is not None and loader.generator is None and \
+                self._dataset_kind == _torch_dl._DatasetKind.Map:
+            self._seed_order(loader.seed)
         self._fg_done = False
         self._fg_batches = 0
         self._fg_skipped = 0
@@ -216,11 +274,37 @@ class _Pass:
                 self._fg_discard = state["yielded"]
             self._num_yielded = state["yielded"]
 
+    def _seed_order(self, seed):
+        """seed= without a generator: the sampler's order a function of (seed, epoch), whatever
+        num_workers (torch's samplers draw their order's seed from the global generator at their
+        first index, which the training loop and, with num_workers=0, the samples move): that
+        first index drawn with the generator seeded for the pass, then the caller's state put
+        back."""
+        it = self._sampler_iter
+        kept = torch.default_generator.get_state()
+        torch.default_generator.manual_seed(
+            _dataloader_worker.sample_seed(seed, self._fg_epoch, "sampler order"))
+        try:
+            first = [next(it)]
+        except StopIteration:
+            first = []
+        finally:
+            torch.default_generator.set_state(kept)
+        self._sampler_iter = itertools.chain(first, it)
+
     def _drop_replayed(self, next_batch):
         """An iterable resumed mid-pass: the batches before the state's are made and dropped."""
         while self._fg_discard:
+            try:
+                next_batch()
+            except StopIteration:
+                made = self._num_yielded - self._fg_discard
+                self._fg_discard = 0
+                raise ValueError(
+                    f"load_state_dict: the state was taken after {self._num_yielded} batches of "
+                    f"the pass, and the IterableDataset, replayed, ended after {made}: it does "
+                    f"not yield what it yielded then") from None
             self._fg_discard -= 1
-            next_batch()
 
     def _end_pass(self, loader_stats, pids):
         if self._fg_done:
@@ -253,12 +337,14 @@ class _SingleIter(_Pass, _torch_dl._SingleProcessDataLoaderIter):
         spec = {"dataset_kind": self._dataset_kind, "seed": loader.seed,
                 "bad_sample": loader.bad_sample, "auto_collation": self._auto_collation,
                 "collate_fn": self._collate_fn, "drop_last": self._drop_last}
+        self._fg_reseeds = (loader.seed is not None and
+                            self._dataset_kind == _torch_dl._DatasetKind.Map)
         resumed = self._fg_states.get(0)
         if resumed is not None:  # the dataset goes on from its state: its iterator made anew
             self._dataset.load_state_dict(resumed)
         if spec["seed"] is not None or spec["bad_sample"] == "skip":
             self._dataset_fetcher, self._fg_guard = _dataloader_worker.fetcher(
-                spec, self._dataset, self._fg_epoch)
+                spec, self._dataset, self._fg_epoch, in_main=True)
         else:
             self._fg_guard = None
             if resumed is not None:
@@ -267,12 +353,18 @@ class _SingleIter(_Pass, _torch_dl._SingleProcessDataLoaderIter):
                     self._drop_last)
 
     def _next_data(self):
+        # seed=: the samples seed this process's generators, which are the training loop's:
+        # their states are put back after each batch
+        kept = _dataloader_worker.generator_states() if self._fg_reseeds else None
         try:
             self._drop_replayed(super()._next_data)
             data = super()._next_data()
         except StopIteration:
             self._end_pass(self._fg_stats, [])
             raise
+        finally:
+            if kept is not None:
+                _dataloader_worker.restore_generators(kept)
         if self._fg_stateful:
             self._fg_states[0] = self._dataset.state_dict()
         self._fg_batches += 1
@@ -330,11 +422,13 @@ def _start_method(loader):
 
 
 def _dumps(spec):
-    """cloudpickle of the workers' spec; an error names the attribute that cannot travel."""
-    from . import _by_value
+    """The workers' spec pickled to travel (a _travel.Parcel: functions and classes of __main__
+    by value, multiprocessing's objects as to a forkserver child); an error names the attribute
+    that cannot travel."""
+    from . import _travel
 
     try:
-        return _by_value.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
+        return _travel.pack(spec)
     except Exception as e:  # noqa: BLE001 - re-raised with the path to what failed
         path = _unpicklable_path(spec, "", set())
         raise TypeError(
@@ -346,8 +440,8 @@ def _dumps(spec):
 
 
 def _unpicklable_path(obj, path, seen):
-    """The deepest attribute path under obj that cloudpickle refuses, or ""."""
-    import cloudpickle
+    """The deepest attribute path under obj that cannot travel (_travel.check), or ""."""
+    from . import _travel
 
     if id(obj) in seen:
         return ""
@@ -361,7 +455,7 @@ def _unpicklable_path(obj, path, seen):
         children = [(f"{path}.{k}", v) for k, v in vars(obj).items()]
     for child_path, child in children:
         try:
-            cloudpickle.dumps(child)
+            _travel.check(child)
         except Exception:  # noqa: BLE001 - this one fails: look deeper, but not into a library
             name = f"{child_path} ({type(child).__module__}.{type(child).__qualname__})"
             if type(child).__module__.split(".")[0] in ("multiprocessing", "torch", "socket",
@@ -369,6 +463,46 @@ def _unpicklable_path(obj, path, seen):
                 return name
             return _unpicklable_path(child, child_path, seen) or name
     return ""
+
+
+_hold_keys = itertools.count()
+
+
+class _ServerJobQueue(_native._JobQueue):
+    """The job queue of workers started by the fork server, with what their spec's
+    multiprocessing objects need (the spec is a _travel.Parcel): the fds it refers to are held by
+    the server while it forks the workers, which inherit them; the semaphore twins live as long
+    as the workers (a persistent loader's, across passes) and are given back once they stopped."""
+
+    def __init__(self, server, parcel, workers, prefetch, pin_device):
+        key = None
+        if parcel.fds:
+            key = f"{os.getpid()}-{next(_hold_keys)}"
+            self._ask(server, ["dataloader_hold", key], parcel.fds, "held")
+        try:
+            super().__init__(workers, prefetch, "server", None, server.pid, server.fd(),
+                             "forkguard.dataloader_worker", pickle.dumps((key, parcel.data)),
+                             0.0, 1 << 20, "fg-dl-worker", [], pin_device)
+        except BaseException:
+            parcel.give_back()
+            raise
+        finally:
+            if key is not None:  # every worker has been forked: they hold their own copies
+                self._ask(server, ["dataloader_release", key], [], "released")
+        self._parcel = parcel
+
+    @staticmethod
+    def _ask(server, fields, fds, expect):
+        reply = server.exchange(fields, fds, timeout=60.0)
+        if reply is None or reply[0] != expect:
+            raise RuntimeError(f"forkguard.DataLoader: the fork server (PID {server.pid}) did "
+                               f"not answer {fields[0]}: {reply}")
+
+    def stop(self, now=False):
+        try:
+            super().stop(now)
+        finally:
+            self._parcel.give_back()
 
 
 class _WorkerProcess:
@@ -410,11 +544,21 @@ class _WorkerProcess:
 
 class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
     def __init__(self, loader):
+        self._shutdown = True  # until the workers started
         super().__init__(loader)
         self._prefetch_factor, self._in_order = _torch_compat.worker_settings(loader)
-        assert self._num_workers > 0 and self._prefetch_factor > 0
-        self._shutdown = True  # until the workers started
+        if self._prefetch_factor <= 0:  # torch 1.13's constructor says so already, 2.x's here
+            raise AssertionError(
+                "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter")
+        if multiprocessing.current_process().daemon:
+            # torch's workers are multiprocessing's daemonic processes, which refuse to start
+            # children (so does a worker of forkguard's: see _dataloader_worker.Worker)
+            raise AssertionError("daemonic processes are not allowed to have children")
         self._frozen = False
+        # (exception class, text) of what stopped the workers mid-pass: every later pass of
+        # persistent workers raises it (torch's iterator, once a worker died, raises "exited
+        # unexpectedly" at each iter(): never a pass with no batch and no error)
+        self._fg_stopped_by = None
         self._fg_stats = loader.stats
         if loader._resume is not None and loader._resume["base_seed"] is not None:
             self._base_seed = loader._resume["base_seed"]  # the workers' seeds, as they were
@@ -459,16 +603,14 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
 
             spec.update(cwd=os.getcwd(), sys_path=list(sys.path), argv=list(sys.argv),
                         by_value=True)
-            setup = _dumps(spec)
+            parcel = _dumps(spec)
             # The worker module (and forkguard's extension) loaded once in the server, not in
             # each worker it forks: about 70 ms less per worker start.
-            server_pid = _launch.start_server(
+            _launch.start_server(
                 preload=_launch.default_preload() + ["cloudpickle", "forkguard._dataloader_worker"],
                 wait=True)
-            queue = _native._JobQueue(self._num_workers, self._prefetch_factor, "server", None,
-                                      server_pid, _launch._server.fd(),
-                                      "forkguard.dataloader_worker", setup, 0.0, 1 << 20,
-                                      "fg-dl-worker", [], pin_device)
+            queue = _ServerJobQueue(_launch._server, parcel, self._num_workers,
+                                    self._prefetch_factor, pin_device)
         self._queue = queue
         self._shutdown = False
         _live_iterators.add(self)
@@ -481,8 +623,17 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
         self._reset(loader, first_iter=True)
 
     def _reset(self, loader, first_iter=False):
+        if not first_iter and self._shutdown:
+            kind, text = self._fg_stopped_by or (
+                RuntimeError, "DataLoader's persistent workers were stopped")
+            raise kind(text)
         super()._reset(loader, first_iter)
         self._task_info = {}  # job -> the sampler's index (or indices) it fetches
+        if not first_iter and loader.seed is not None:
+            # what a new iterator draws from the generator (torch's base seed), so that with
+            # seed= the generator (and so the next pass's order) goes as with num_workers=0 or
+            # workers that are not persistent, whose every pass is a new iterator
+            torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
         self._begin_pass(loader)
         if not first_iter:
             # What the last pass left in flight is dropped; a worker that died meanwhile is not.
@@ -520,6 +671,8 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
             _, worker, pid, sig, code, how, held = r
             indices = [self._task_info[j] for j in held if j in self._task_info]
             self._shutdown_workers()
+            self._fg_stopped_by = (
+                RuntimeError, "DataLoader worker (pid(s) {}) exited unexpectedly".format(pid))
             if sig:
                 text = "DataLoader worker (pid {}) is killed by signal: {}. ".format(
                     pid, signal.strsignal(sig))
@@ -551,9 +704,17 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
                 raise StopIteration
             self._check(r)
             _, job, worker, pid, kind, buf, message = r
-            self._task_info.pop(job, None)
+            index = self._task_info.pop(job, None)
+            if kind == _dataloader_worker.ERROR and len(buf) == 0:
+                # the worker's body itself failed (the batch could not be written): its text
+                raise RuntimeError("DataLoader worker {} (pid {}) could not return the batch of "
+                                   "the samples {}: {}".format(
+                                       worker, pid, _dataloader_worker._short(index),
+                                       message.decode(errors="replace")))
             data, meta = _batch_codec.decode(buf, memoryview(buf))
             del buf
+            if meta is not None and "ended" in meta:
+                self._worker_ended(worker, pid, index, meta["ended"], data)
             if meta is not None and "skipped" in meta:
                 self._fg_skipped += len(meta["skipped"])
             if meta is not None and "state" in meta:
@@ -568,9 +729,23 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
                 data = torch.utils.data._utils.pin_memory.pin_memory(data, self._pin_memory_device)
             return data
 
+    def _worker_ended(self, worker, pid, index, what, wrapper):
+        """A sample raised what is not an Exception (SystemExit, KeyboardInterrupt,
+        GeneratorExit): it ends a worker of torch's, whose loader then raises "exited
+        unexpectedly". The workers are stopped, and the error names it, with its traceback."""
+        self._shutdown_workers()
+        self._fg_stopped_by = (
+            RuntimeError, "DataLoader worker (pid(s) {}) exited unexpectedly".format(pid))
+        raise RuntimeError(
+            "DataLoader worker (pid {}) exited unexpectedly: {} raised in DataLoader worker "
+            "process {} for the samples {} (what is not an Exception ends a worker, as it ends "
+            "torch's).\nOriginal {}".format(pid, what, worker, _dataloader_worker._short(index),
+                                            wrapper.exc_msg))
+
     def _cuda_found(self, text):
         if self._cuda_policy == "error":
             self._shutdown_workers()
+            self._fg_stopped_by = (CudaInWorkerError, text)
             raise CudaInWorkerError(text)
         if self._cuda_policy == "warn" and not self._cuda_said:
             self._cuda_said = True

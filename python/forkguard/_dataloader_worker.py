@@ -11,6 +11,7 @@ worker_init_fn, the dataset's fetcher; with forkguard's `seed`, every sample is 
 from (seed, epoch, index), whatever worker makes it.
 """
 import hashlib
+import multiprocessing
 import os
 import pickle
 import random
@@ -43,9 +44,15 @@ def sample_seed(seed, epoch, index):
     return x ^ (x >> 31)
 
 
-def seed_everything(s):
+def seed_everything(s, cpu_only=False):
+    """Python's, numpy's and torch's generators from `s`. torch.manual_seed also seeds the CUDA
+    generators (queued until CUDA is initialized); `cpu_only`: torch's CPU generator alone (the
+    same CPU state), for the loader's own process, whose CUDA generators are its user's."""
     random.seed(s)
-    torch.manual_seed(s)
+    if cpu_only:
+        torch.default_generator.manual_seed(s)
+    else:
+        torch.manual_seed(s)
     try:
         import numpy as np
     except ImportError:
@@ -53,14 +60,36 @@ def seed_everything(s):
     np.random.seed(s & 0xFFFFFFFF)
 
 
+def generator_states():
+    """Python's, numpy's and torch's (CPU) generator states, for restore_generators()."""
+    try:
+        import numpy as np
+    except ImportError:
+        np = None
+    return (random.getstate(), torch.default_generator.get_state(),
+            np.random.get_state() if np is not None else None)
+
+
+def restore_generators(states):
+    py, cpu, numpy_state = states
+    random.setstate(py)
+    torch.default_generator.set_state(cpu)
+    if numpy_state is not None:
+        import numpy as np
+
+        np.random.set_state(numpy_state)
+
+
 class SampleGuard:
     """A map-style dataset as DataLoader(seed=, bad_sample=) sees it: the generators seeded before
     each sample from (seed, epoch, index); a sample that raises replaced (bad_sample="skip") by
     another chosen from (seed, epoch, index, attempt), said once per index on stderr and recorded
-    in `skipped` (index, substitute, reason) for the loader's stats."""
+    in `skipped` (index, substitute, reason) for the loader's stats. `cpu_only`: see
+    seed_everything."""
 
-    def __init__(self, dataset, seed, epoch, bad_sample):
+    def __init__(self, dataset, seed, epoch, bad_sample, cpu_only=False):
         self.dataset, self.seed, self.epoch, self.bad_sample = dataset, seed, epoch, bad_sample
+        self.cpu_only = cpu_only
         self.skipped = []
         self.said = set()
 
@@ -68,7 +97,7 @@ class SampleGuard:
         chosen = index
         for attempt in range(MAX_SUBSTITUTES + 1):
             if self.seed is not None:
-                seed_everything(sample_seed(self.seed, self.epoch, chosen))
+                seed_everything(sample_seed(self.seed, self.epoch, chosen), self.cpu_only)
             try:
                 return self.dataset[chosen]
             except Exception as e:  # noqa: BLE001 - a bad sample, under the skip policy
@@ -128,14 +157,15 @@ class IterGuard:
             yield x
 
 
-def fetcher(spec, dataset, epoch):
+def fetcher(spec, dataset, epoch, in_main=False):
     """torch's fetcher for the dataset (map-style ones through a SampleGuard when seed or
     bad_sample asks for it, iterable ones through an IterGuard for bad_sample="skip");
-    (fetcher, guard or None)."""
+    (fetcher, guard or None). `in_main`: for the loader's own process (num_workers=0)."""
     guard = None
     if spec["dataset_kind"] == _DatasetKind.Map and (spec["seed"] is not None or
                                                      spec["bad_sample"] == "skip"):
-        dataset = guard = SampleGuard(dataset, spec["seed"], epoch, spec["bad_sample"])
+        dataset = guard = SampleGuard(dataset, spec["seed"], epoch, spec["bad_sample"],
+                                      cpu_only=in_main)
     elif spec["dataset_kind"] == _DatasetKind.Iterable and spec["bad_sample"] == "skip":
         dataset = guard = IterGuard(dataset)
     return _DatasetKind.create_fetcher(spec["dataset_kind"], dataset, spec["auto_collation"],
@@ -184,6 +214,10 @@ class Worker:
     """Called by the core for each job: (kind, bytes, message)."""
 
     def __init__(self, spec, worker_id):
+        # torch's workers are daemonic processes: a DataLoader with workers (or any
+        # multiprocessing child) started in one raises "daemonic processes are not allowed to
+        # have children". The same here, for either loader.
+        multiprocessing.current_process().daemon = True
         self.spec = spec
         self.worker_id = worker_id
         self.cuda_said = False
@@ -280,6 +314,15 @@ class Worker:
             except Exception:
                 data = ExceptionWrapper(where="in DataLoader worker process {}".format(
                     self.worker_id))
+            except BaseException as e:
+                # SystemExit, KeyboardInterrupt, GeneratorExit: torch's worker loop catches
+                # Exception only, so these end its worker. Said to the loader, which stops the
+                # workers and raises, naming it.
+                data = ExceptionWrapper(where="in DataLoader worker process {}".format(
+                    self.worker_id))
+                ended = type(e).__name__ + (f": {e}" if str(e) else "")
+                return ERROR, _batch_codec.encode((data, {"ended": ended}), slot.reserve,
+                                                  self.spec.get("by_value", False)), ""
         kind = ERROR if isinstance(data, ExceptionWrapper) else OK
         found = self.pending_cuda
         self.pending_cuda = None
@@ -317,12 +360,27 @@ def make(spec):
     return lambda worker_id: Worker(spec, worker_id)
 
 
-def server_main(fd):
-    """In a child of the Python fork server: the setup is the cloudpickled spec."""
+def server_main(fd, held):
+    """In a child of the Python fork server: the setup is (KEY, the spec pickled to travel:
+    _travel.pack); `held` is what the server held for the loaders as it forked this worker
+    (dataloader_hold: KEY -> fds). KEY's are the fds the spec's multiprocessing objects refer to
+    (found where a forkserver child finds them); the other loaders' are closed."""
     from . import _native
 
     def build(setup, worker_id):
-        spec = pickle.loads(setup)
+        key, data = pickle.loads(setup)
+        for other, fds in held.items():
+            if other != key:
+                for f in fds:
+                    os.close(f)
+        if key is not None:
+            import multiprocessing.forkserver
+
+            if key not in held:
+                raise RuntimeError(f"the fork server held no fds for this worker's loader ({key}) "
+                                   "as it forked it")
+            multiprocessing.forkserver._forkserver._inherited_fds = list(held[key])
+        spec = pickle.loads(data)
         os.chdir(spec["cwd"])
         sys.path[:] = spec["sys_path"]
         sys.argv[:] = spec["argv"]

@@ -19,6 +19,13 @@
 #                     multiprocessing's Connections, Queues' pipes; every rank forked until
 #                     release_fds inherits them and finds them where a forkserver child does)
 #   caller -> server  release_fds  ->  released
+# and from forkguard.DataLoader (_dataloader.py; the loader core sends the call):
+#   caller -> server  dataloader_hold KEY + fds  ->  held COUNT   (the fds the workers' spec
+#                     refers to: every worker forked until dataloader_release KEY has them, and
+#                     finds them where a forkserver child does; the spec names KEY)
+#   caller -> server  dataloader_release KEY  ->  released
+#   caller -> server  call forkguard.dataloader_worker + fds [stdout, stderr, socket]
+#                     ->  started PID | error MESSAGE, then exit PID
 # and from forkguard.guard() (_guard_child.py, _guard_reroute.py):
 #   caller -> server  guard_start NAME + fds  ->  guard_started PID | error MESSAGE, then exit PID
 # EOF on FD (the caller exited or closed it): every rank's group is killed, the server exits.
@@ -94,6 +101,11 @@ def _preload(modules):
 
 _guard_module = None
 _held_fds = []  # hold_fds: inherited by the ranks of the launch in progress, closed elsewhere
+_dataloader_fds = {}  # dataloader_hold: KEY -> fds, inherited by that loader's workers only
+
+
+def _dataloader_held():
+    return [f for fds in _dataloader_fds.values() for f in fds]
 
 
 def _guard_child():
@@ -225,7 +237,8 @@ def _rank_main(fields, fds):
 
 def _start_dataloader_worker(fds, close):
     """Forks a forkguard.DataLoader worker (_dataloader.py) on the loader's socket, the third fd;
-    its PID, or why it could not."""
+    its PID, or why it could not. The worker inherits every loader's held fds (dataloader_hold):
+    its setup names its own, and it closes the others'."""
     out_fd, err_fd, job_fd = fds
     try:
         pid = os.fork()
@@ -247,12 +260,20 @@ def _start_dataloader_worker(fds, close):
 
         del os.environ["FORKGUARD_NO_FORK_SERVER"]
 
-        code = _dataloader_worker.server_main(job_fd)
+        code = _dataloader_worker.server_main(job_fd, dict(_dataloader_fds))
     except BaseException:  # noqa: BLE001 - a worker never returns into the server's loop
         import traceback
 
         traceback.print_exc()
     finally:
+        try:
+            util = sys.modules.get("multiprocessing.util")
+            if util is not None:
+                # What a multiprocessing child runs at its end, as torch's workers do: what the
+                # dataset put on a Queue reaches its pipe (the feeder threads are joined).
+                util._exit_function()
+        except Exception:  # noqa: BLE001
+            pass
         try:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -317,6 +338,8 @@ def main():
                         sock.close()
                         os.close(wake_r)
                         os.close(wake_w)
+                        for f in _dataloader_held():
+                            os.close(f)
                         _rank_main(fields, fds)
                     for f in fds:
                         os.close(f)
@@ -334,7 +357,7 @@ def main():
                     send(sock, ["started", pid])
                 elif op == "guard_start":  # forkguard.guard(): see _guard_child.py
                     reply = _guard_child().start(fds, (sock.fileno(), wake_r, wake_w,
-                                                       *_held_fds))
+                                                       *_held_fds, *_dataloader_held()))
                     if reply[0] == "guard_started":
                         ranks.add(reply[1])
                         guard_pids.add(reply[1])
@@ -345,6 +368,15 @@ def main():
                     send(sock, ["held", len(fds)])
                 elif op == "release_fds":
                     _release_held()
+                    send(sock, ["released"])
+                elif op == "dataloader_hold" and len(fields) == 2:
+                    for f in _dataloader_fds.pop(fields[1], ()):
+                        os.close(f)
+                    _dataloader_fds[fields[1]] = list(fds)
+                    send(sock, ["held", len(fds)])
+                elif op == "dataloader_release" and len(fields) == 2:
+                    for f in _dataloader_fds.pop(fields[1], ()):
+                        os.close(f)
                     send(sock, ["released"])
                 elif op == "preload":
                     done, errors = _preload(json.loads(fields[1]))

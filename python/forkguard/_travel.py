@@ -12,8 +12,15 @@ given the twin's value (a Queue's items counted as the ranks left them) and the 
 While the launch runs this process's own users of such an object (other threads) do not see the
 ranks' acquisitions.
 
+Shared ctypes (mp.Value, mp.Array) travel as their arena's fd: the memory is shared, as with a
+fork.
+
 torch's reducers (tensors through shared memory) are left out: a tensor travels by value, a copy
 per rank, as a fork gives each rank a copy-on-write one.
+
+forkguard.DataLoader's fork-server workers receive their spec the same way (``pack``; the fds
+held by the server as "dataloader_hold" while it forks them): the twins live as long as the
+workers, across a persistent loader's passes, and are given back once they stopped.
 """
 from __future__ import annotations
 
@@ -21,9 +28,9 @@ import contextlib
 import copyreg
 import io
 import pickle
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from multiprocessing import context, popen_forkserver, reduction, synchronize
+from multiprocessing import context, popen_forkserver, reduction, sharedctypes, synchronize
 
 _STDLIB = ("multiprocessing", "_multiprocessing", "socket", "_socket")
 
@@ -50,22 +57,30 @@ class _Collector:
         return len(self.fds) - 1
 
 
+def _multiprocessing_reducers():
+    """multiprocessing's own reducers in ForkingPickler's table as it is now: the stdlib's types',
+    and the shared ctypes' (sharedctypes registers a ctypes type when the first Value or Array of
+    it is made)."""
+    return {t: r for t, r in list(reduction.ForkingPickler._extra_reducers.items())
+            if t.__module__.split(".")[0] in _STDLIB or r is sharedctypes.reduce_ctype}
+
+
 def _pickler_class():
     from . import _by_value  # cloudpickle, keeping the code's file names for tracebacks
 
     base = _by_value.Pickler
-    stdlib = {t: r for t, r in reduction.ForkingPickler._extra_reducers.items()
-              if t.__module__.split(".")[0] in _STDLIB}
 
     class LaunchPickler(base):
-        dispatch_table = {**base.dispatch_table, **stdlib}
-
         def __init__(self, file, twins):
+            # Read by the pickler's __init__: the reducers registered up to now.
+            self.dispatch_table = {**base.dispatch_table, **_multiprocessing_reducers()}
             super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-            self.twins = twins  # id(original) -> (original, twin)
+            self.twins = twins  # id(original) -> (original, twin); None: a trial, makes none
 
         def reducer_override(self, obj):
             if isinstance(obj, synchronize.SemLock) and obj._semlock.name is None:
+                if self.twins is None:
+                    return int, ()
                 pair = self.twins.get(id(obj))
                 if pair is None:
                     sl = obj._semlock
@@ -83,26 +98,57 @@ def _pickler_class():
 _pickler = None
 
 
-@contextlib.contextmanager
-def payload(fn, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Iterator[Tuple[bytes, List[int]]]:
-    """Yields the pickled (fn, args, kwargs) and the fds it refers to (this process's own: keep
-    the arguments alive until the launch is over); gives the twins' values back on exit."""
+class Parcel:
+    """An object pickled to travel: ``data``, the fds it refers to (this process's own: keep the
+    object alive until they were sent), and the twins it made. ``give_back()`` once the
+    receivers stopped: each original takes its twin's value, and the twins are dropped (their
+    names unlinked)."""
+
+    def __init__(self, data: bytes, fds: List[int], twins: Dict[int, Tuple[Any, Any]]):
+        self.data, self.fds, self._twins = data, fds, twins
+
+    def give_back(self) -> None:
+        twins, self._twins = self._twins, {}
+        for original, twin in twins.values():
+            _give_back(original._semlock, twin._semlock)
+
+
+def _dump(obj, twins: Optional[Dict[int, Tuple[Any, Any]]]) -> Tuple[bytes, List[int]]:
     global _pickler
     if _pickler is None:
         _pickler = _pickler_class()
     buf = io.BytesIO()
     collector = _Collector()
-    twins: Dict[int, Tuple[Any, Any]] = {}
     context.set_spawning_popen(collector)
     try:
-        _pickler(buf, twins).dump((fn, args, kwargs))
+        _pickler(buf, twins).dump(obj)
     finally:
         context.set_spawning_popen(None)
+    return buf.getvalue(), collector.fds
+
+
+def pack(obj) -> Parcel:
+    """`obj` pickled to travel to children of the fork server; raises what pickling raised (the
+    twins it made so far are dropped)."""
+    twins: Dict[int, Tuple[Any, Any]] = {}
+    data, fds = _dump(obj, twins)
+    return Parcel(data, fds, twins)
+
+
+def check(obj) -> None:
+    """Raises what pack(obj) would, without making twins."""
+    _dump(obj, None)
+
+
+@contextlib.contextmanager
+def payload(fn, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Iterator[Tuple[bytes, List[int]]]:
+    """Yields the pickled (fn, args, kwargs) and the fds it refers to (this process's own: keep
+    the arguments alive until the launch is over); gives the twins' values back on exit."""
+    parcel = pack((fn, args, kwargs))
     try:
-        yield buf.getvalue(), collector.fds
+        yield parcel.data, parcel.fds
     finally:
-        for original, twin in twins.values():
-            _give_back(original._semlock, twin._semlock)
+        parcel.give_back()
 
 
 def _give_back(original, twin) -> None:

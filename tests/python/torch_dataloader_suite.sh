@@ -57,24 +57,11 @@ if [ -z "$baseline" ]; then
   keep=1
   exit 1
 fi
-# The tests expected to fail here, each with its reason, per start and torch.
+# The tests expected to fail here, each with its reason, per start and torch. None: a fork-server
+# worker receives the dataset's fork-context mp.Value (its memory's fd) and semaphores (named
+# twins) as a forked one shares them (test_worker_seed*, test_get_worker_info).
 case $start/$torch in
-  fork/*) expected="" ;;
-  # Fork-context synchronization objects (mp.Value(lock=True), mp.Semaphore()) exist only in
-  # forks of the process that made them: a fork-server worker cannot receive them, and the
-  # loader raises TypeError naming the attribute (dataset.count).
-  server/1.*) expected="TestDataLoader::test_get_worker_info
-TestDataLoader::test_worker_seed
-TestDataLoader::test_worker_seed_reproducibility
-TestDataLoaderPersistentWorkers::test_get_worker_info
-TestDataLoaderPersistentWorkers::test_worker_seed
-TestDataLoaderPersistentWorkers::test_worker_seed_reproducibility" ;;
-  # The same, with 2.6.0's file: test_get_worker_info is not listed, as torch's own class fails
-  # it on torch 2.14 (its WorkerInfo is a frozen dataclass; baseline/torch-2.14.1-cpu.tsv).
-  server/*) expected="TestDataLoader::test_worker_seed
-TestDataLoader::test_worker_seed_reproducibility
-TestDataLoaderPersistentWorkers::test_worker_seed
-TestDataLoaderPersistentWorkers::test_worker_seed_reproducibility" ;;
+  *) expected="" ;;
 esac
 # Tests torch passes that did not pass here.
 lost=$(join -t $'\t' -1 2 -2 2 \
