@@ -80,16 +80,17 @@ def notebook_launcher(function: Callable[..., Any], args: Sequence[Any] = (),
     if num_processes is None:
         raise ValueError("You have to specify the number of devices you would like to use, add "
                          "`num_processes=...` to your call.")
-    # A count that is not an integer fails here, before "Launching training on 2.5 GPUs." (where
-    # accelerate's own launch fails later, in torch's elastic agent).
-    num_processes, num_nodes, node_rank, max_restarts = (
-        whole(name, value) for name, value in (("num_processes", num_processes),
-                                               ("num_nodes", num_nodes),
-                                               ("node_rank", node_rank),
-                                               ("max_restarts", max_restarts)))
     if node_rank >= num_nodes:
         raise ValueError("The node_rank must be less than the number of nodes.")
     if num_processes > 1:
+        # A count that compares as a number but is not an integer fails here, before "Launching
+        # training on 2.5 GPUs." (accelerate's own launch fails later, in torch's elastic agent);
+        # what does not compare failed above or on the line before, with accelerate's TypeError.
+        num_processes, num_nodes, node_rank, max_restarts = (
+            whole(name, value) for name, value in (("num_processes", num_processes),
+                                                   ("num_nodes", num_nodes),
+                                                   ("node_rank", node_rank),
+                                                   ("max_restarts", max_restarts)))
         _launch(function, tuple(args), num_processes, precision, use_port, master_addr,
                 node_rank, num_nodes, rdzv_backend, rdzv_endpoint, rdzv_conf, rdzv_id,
                 max_restarts, monitor_interval)

@@ -144,7 +144,7 @@ def test_num_processes_is_required_as_accelerate_requires_it():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"num_processes": 2.5}, "num_processes must be an integer, not float (2.5)"),
-    ({"num_processes": 2, "num_nodes": "2"}, "num_nodes must be an integer, not str ('2')"),
+    ({"num_processes": 2, "num_nodes": 2.0}, "num_nodes must be an integer, not float (2.0)"),
     ({"num_processes": 2, "max_restarts": 1.0}, "max_restarts must be an integer, not float (1.0)"),
 ])
 def test_a_count_that_is_not_an_integer_is_refused_before_anything_starts(kwargs, message,
