@@ -493,10 +493,9 @@ class _ServerJobQueue(_native._JobQueue):
 
     @staticmethod
     def _ask(server, fields, fds, expect):
-        reply = server.exchange(fields, fds, timeout=60.0)
-        if reply is None or reply[0] != expect:
-            raise RuntimeError(f"forkguard.DataLoader: the fork server (PID {server.pid}) did "
-                               f"not answer {fields[0]}: {reply}")
+        from . import _launch
+
+        _launch._exchange(server, fields, fds, expect, who="forkguard.DataLoader")
 
     def stop(self, now=False):
         try:

@@ -266,10 +266,12 @@ def notebook_launch(fn: Callable[..., Any], args: Sequence[Any] = (), nproc: int
     return [o[1] if o and o[0] == "ok" else None for o in outcomes]
 
 
-def _exchange(server: _Server, fields, fds, expect: str) -> None:
+def _exchange(server: _Server, fields, fds, expect: str, who: str = "notebook_launch") -> None:
+    """One request to the interpreter fork server whose answer must be ``expect``; else an Error
+    naming ``who`` asked, the server and what it answered."""
     msg = server.exchange(fields, fds, timeout=60.0)
     if msg is None or msg[0] != expect:
-        raise Error(f"notebook_launch: the fork server (PID {server.pid}) did not answer "
+        raise Error(f"{who}: the fork server (PID {server.pid}) did not answer "
                     f"{fields[0]}: {msg}")
 
 

@@ -217,14 +217,7 @@ def _rank_main(fields, fds):
         except OSError:
             pass
     finally:
-        try:
-            util = sys.modules.get("multiprocessing.util")
-            if util is not None:
-                # What a multiprocessing child runs at its end (the rank's Queue.put()s reach
-                # the pipe: their feeder threads are joined; its own children are joined).
-                util._exit_function()
-        except Exception:  # noqa: BLE001
-            pass
+        _multiprocessing_exit()
         try:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -233,6 +226,18 @@ def _rank_main(fields, fds):
         except Exception:  # noqa: BLE001
             pass
         os._exit(code)
+
+
+def _multiprocessing_exit():
+    """What a multiprocessing child runs at its end, for a rank or a DataLoader worker (as torch's
+    workers do): what it put on a Queue reaches the pipe (the feeder threads are joined), and its
+    own children are joined. Best effort: the child exits next whatever happens here."""
+    try:
+        util = sys.modules.get("multiprocessing.util")
+        if util is not None:
+            util._exit_function()
+    except Exception:  # noqa: BLE001 - the exit that follows is the child's report
+        pass
 
 
 def _start_dataloader_worker(fds, close):
@@ -266,14 +271,7 @@ def _start_dataloader_worker(fds, close):
 
         traceback.print_exc()
     finally:
-        try:
-            util = sys.modules.get("multiprocessing.util")
-            if util is not None:
-                # What a multiprocessing child runs at its end, as torch's workers do: what the
-                # dataset put on a Queue reaches its pipe (the feeder threads are joined).
-                util._exit_function()
-        except Exception:  # noqa: BLE001
-            pass
+        _multiprocessing_exit()
         try:
             sys.stdout.flush()
             sys.stderr.flush()

@@ -42,6 +42,13 @@ def files_under(root):
     return {str(p.relative_to(root)) for p in pathlib.Path(root).rglob("*")}
 
 
+def purelib(python):
+    """The site-packages directory of the interpreter ``python``."""
+    return pathlib.Path(subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True).stdout.strip())
+
+
 def clean_env(**extra):
     """This process's environment without anything that points into the build tree."""
     env = {k: v for k, v in os.environ.items()
@@ -67,9 +74,7 @@ class Venv:
             cmd.insert(3, "--system-site-packages")
         subprocess.run(cmd, check=True)
         self.python = self.path / "bin" / "python"
-        self.site = pathlib.Path(subprocess.run(
-            [str(self.python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            check=True, capture_output=True, text=True).stdout.strip())
+        self.site = purelib(self.python)
         if extra_site:
             (self.site / "forkguard-test-extra.pth").write_text(f"{extra_site}\n")
         self.before = files_under(self.path)
@@ -265,11 +270,7 @@ def test_dataloader_with_two_workers_and_notebook_launch_of_two_ranks(venv, work
 
 def test_a_torch_free_venv_imports_probes_launches_and_names_what_needs_torch(wheel, tmp_path):
     tools = ROOT / "build" / "wheel-tools"  # scripts/install-deps
-    tools_site = subprocess.run(
-        [str(tools / "bin" / "python"), "-c",
-         "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True).stdout.strip()
-    v = install(Venv(tmp_path / "v", extra_site=tools_site), wheel)
+    v = install(Venv(tmp_path / "v", extra_site=purelib(tools / "bin" / "python")), wheel)
     script = tmp_path / "no_torch.py"
     script.write_text(textwrap.dedent('''\
         import importlib.util, os, sys
