@@ -21,12 +21,12 @@ import operator
 import os
 import pickle
 import socket
-import subprocess
 import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from . import _server as _wire
+from . import _native
 from ._native import Error, _ServerLink, _supervise_notebook
 
 _lock = threading.RLock()
@@ -75,10 +75,15 @@ class _Server:
         path = [p for p in sys.path if p]
         self.preload = list(preload)
         self.python = python
-        self.proc = subprocess.Popen(
-            [python, script, str(theirs.fileno()), json.dumps(self.preload), json.dumps(path)],
-            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True)
-        theirs.close()
+        # Started by the native layer and held by its pidfd. TODO(issue 26, one fork server):
+        # started by the C++ zygote instead, it would be no child a reap-all loop of the program
+        # (os.wait() until ChildProcessError) waits for; an exec'd child of ours always is.
+        try:
+            self.proc = _native.start_process(
+                [python, script, str(theirs.fileno()), json.dumps(self.preload),
+                 json.dumps(path)], pass_fds=[theirs.fileno()], name="the fork server")
+        finally:
+            theirs.close()
         self.pid = self.proc.pid
         # The socket's one reader in this process, shared with the DataLoaders and launches that
         # attach to this server: every reply and exit report reaches whoever it is for.
@@ -131,9 +136,7 @@ class _Server:
         try:
             self.link.close()
         finally:
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
+            if self.proc.wait(timeout=10) is None:
                 self.proc.kill()
                 self.proc.wait()
 

@@ -55,7 +55,25 @@ def stop_fork_server() -> None:
     by ``os._exit``)."""
 
 def owns_fork_server() -> bool: ...
-def fork_server_pid() -> Optional[int]: ...
+def fork_server_pid() -> Optional[int]:
+    """The C++ fork server's PID. It is a clone child: a wait for any child (os.wait()) never
+    finds it; os.waitpid(pid, 0x40000000) (__WALL) does."""
+
+class Process:
+    """A program started by the native layer (launch/child.hpp), held by its pidfd."""
+
+    @property
+    def pid(self) -> int: ...
+    def poll(self) -> Optional[int]:
+        """None while it runs, else its return code (minus the signal that killed it)."""
+    def wait(self, timeout: Optional[float] = ...) -> Optional[int]:
+        """Its return code, or None when it still runs after `timeout` seconds."""
+    def kill(self) -> None: ...
+
+def start_process(argv: List[str], *, pass_fds: List[int] = ...,
+                  name: Optional[str] = ...) -> Process:
+    """Starts argv with this process's environment, stdin /dev/null, stdout and stderr
+    inherited, `pass_fds` at their numbers and every other fd closed."""
 
 class DLTensor:
     """A batch's images or labels: a DLPack producer over the loader's shared memory.

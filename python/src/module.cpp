@@ -43,6 +43,7 @@ namespace py = pybind11;
 
 void bind_notebook(py::module_& m);
 void bind_dataloader(py::module_& m);
+void bind_process(py::module_& m);
 namespace fd = forkguard::data;
 namespace probe = forkguard::probe;
 
@@ -460,6 +461,7 @@ PYBIND11_MODULE(_native, m) {
 
   bind_notebook(m);    // notebook_launch's supervision (notebook.cpp)
   bind_dataloader(m);  // forkguard.DataLoader's worker queue (dataloader.cpp)
+  bind_process(m);     // start_process: the interpreter fork server (process.cpp)
 
   py::class_<ProbeResult>(m, "_ProbeResult")
       .def_property_readonly("pid", [](const ProbeResult& r) { return r.state.pid; })

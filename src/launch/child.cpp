@@ -209,9 +209,24 @@ struct ChildPlan {
   bool by_main_thread;  // forked by the parent's main thread (see the parent-death signal)
 };
 
-// The one fork() call site of forkguard (the trace library's interposers aside).
-pid_t fork_process() noexcept {
-  return ::fork();
+// The one fork() call site of forkguard (the trace library's interposers aside). Not waitable: a
+// raw clone with no exit signal (fork's copy of the memory, none of glibc's fork handlers), which
+// only a wait naming it with __WALL reaps.
+pid_t fork_process(bool waitable) noexcept {
+  if (waitable) return ::fork();
+  return static_cast<pid_t>(::syscall(SYS_clone, 0UL, nullptr, nullptr, nullptr, 0UL));
+}
+
+// One thread in this process: a raw clone's copy may then allocate (no other thread held a lock).
+bool single_threaded() {
+  DIR* d = ::opendir("/proc/self/task");
+  if (d == nullptr) return false;
+  int n = 0;
+  while (const dirent* e = ::readdir(d)) {
+    if (e->d_name[0] != '.') ++n;
+  }
+  ::closedir(d);
+  return n == 1;
 }
 
 // ============ child side: no allocation, no locks, no exceptions from here ============
@@ -406,7 +421,7 @@ int kill_and_reap_all(pid_t program, int status, bool have_status) noexcept {
     reset_handlers();
     program = ::vfork();
   } else {
-    program = fork_process();
+    program = fork_process(true);
   }
   if (program < 0) fail(out, kStepReaper, errno);
   if (program == 0) {
@@ -565,7 +580,8 @@ Child start_child(const ChildOptions& o) {
                        ::getpgrp(),
                        ::gettid() == ::getpid()};
   if (o.main) std::fflush(nullptr);  // nothing buffered is written twice (an exec drops it)
-  const pid_t pid = fork_process();
+  const bool waitable = o.waitable || o.exec != nullptr || !single_threaded();
+  const pid_t pid = fork_process(waitable);
   if (pid < 0) {
     throw SpawnError(
         fmt::format("error preparing to execute {}: fork: {}", what, std::strerror(errno)));
@@ -577,6 +593,7 @@ Child start_child(const ChildOptions& o) {
   c.report_ = std::move(report_r);
   c.own_group_ = o.group == ProcessGroup::kNew;
   c.reaper_ = o.reap_tree;
+  c.waitable_ = waitable;
   c.stop_ = o.stop;
   c.what_ = what;
   c.start_pending_ = true;
@@ -608,6 +625,7 @@ Child& Child::operator=(Child&& o) noexcept {
     own_group_ = o.own_group_;
     reaper_ = o.reaper_;
     start_pending_ = std::exchange(o.start_pending_, false);
+    waitable_ = o.waitable_;
     stop_ = o.stop_;
     what_ = std::move(o.what_);
     status_ = o.status_;
@@ -672,7 +690,7 @@ ExitStatus Child::reaped(ExitStatus s) {
 std::optional<ExitStatus> Child::try_wait() {
   if (pid_ <= 0 || reaped_) return status_;
   siginfo_t info{};
-  if (::waitid(P_PID, static_cast<id_t>(pid_), &info, WEXITED | WNOHANG) != 0) {
+  if (::waitid(P_PID, static_cast<id_t>(pid_), &info, WEXITED | WNOHANG | __WALL) != 0) {
     if (errno == EINTR) return std::nullopt;
     return reaped(ExitStatus{});  // not ours to reap any more
   }
@@ -683,7 +701,7 @@ std::optional<ExitStatus> Child::try_wait() {
 ExitStatus Child::wait() {
   if (pid_ <= 0 || reaped_) return status_;
   siginfo_t info{};
-  while (::waitid(P_PID, static_cast<id_t>(pid_), &info, WEXITED) != 0) {
+  while (::waitid(P_PID, static_cast<id_t>(pid_), &info, WEXITED | __WALL) != 0) {
     if (errno != EINTR) return reaped(ExitStatus{});
   }
   return reaped(from_siginfo(info));

@@ -113,8 +113,14 @@ struct ChildOptions {
   const char* name = nullptr;             // comm (15 characters) for ps; must outlive start_child
   bool reap_tree = false;                 // run under a subreaper that kills what is left
   bool await_start = true;                // false: call Child::await_start() (parallel execs)
-  StopPolicy stop{};                      // what the destructor does with a running child
-  std::string what{};                     // names it in errors ("rank 3"); default: the exec path
+  // false: a clone child that sends its parent no exit signal. A wait for any child (wait(),
+  // waitpid(-1), Python's os.wait()) never finds it, so a program's reap-all loop ends with it
+  // running; only this handle reaps it. For a main function in a single-threaded parent only (a
+  // raw clone runs none of glibc's fork handlers); an exec makes any process a waitable child
+  // again (the kernel resets its exit signal to SIGCHLD). Otherwise it is an ordinary child.
+  bool waitable = true;
+  StopPolicy stop{};   // what the destructor does with a running child
+  std::string what{};  // names it in errors ("rank 3"); default: the exec path
 };
 
 class Child {
@@ -129,6 +135,7 @@ class Child {
   pid_t pid() const noexcept { return pid_; }
   int pidfd() const noexcept { return pidfd_.get(); }  // readable once it exited
   bool running() const noexcept { return pid_ > 0 && !reaped_; }
+  bool waitable() const noexcept { return waitable_; }  // false: a clone child (see ChildOptions)
   explicit operator bool() const noexcept { return pid_ > 0; }
 
   // start_child with await_start = false: waits until the exec happened; throws SpawnError
@@ -154,12 +161,13 @@ class Child {
   bool own_group_ = false;
   bool reaper_ = false;
   bool start_pending_ = false;
+  bool waitable_ = true;
   StopPolicy stop_;
   std::string what_;
   ExitStatus status_;
 };
 
-// Forks (the only fork() in forkguard outside the trace library's interposers). Throws
+// Forks (the only fork() and clone in forkguard outside the trace library's interposers). Throws
 // SpawnError: "failed to execute X: <errno>" (exit code 127/126) or "error preparing to execute
 // X: <step>: <errno>", with the step and errno the child reported through a close-on-exec pipe.
 Child start_child(const ChildOptions& options);

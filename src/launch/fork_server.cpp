@@ -209,11 +209,13 @@ std::pair<pid_t, int> fork_zygote() {
   // single-threaded copy and may allocate (a restart forks a program that may run threads: it
   // only needs malloc, which glibc makes safe in a forked child, and its own state). It keeps
   // stdio and its socket (at 3), stays in the program's process group, and is reaped by its
-  // owner (the atexit handler, replace_dead_zygote).
+  // owner (the atexit handler, replace_dead_zygote). Not waitable: the program's own reap-all loop
+  // (`while (wait(NULL) > 0)`, Python's os.wait() until ChildProcessError) ends with it running.
   pid_t pid = start_child({.main = []() -> int { Zygote(3).serve(); },
                            .keep_fds = {{theirs.get(), 3, true}},
                            .group = ProcessGroup::kInherit,
                            .name = "forkguard-zygote",
+                           .waitable = false,
                            .what = "the fork server"})
                   .release();
   return {pid, mine.release()};
@@ -242,7 +244,7 @@ void ForkServer::stop() {
   // dies with it) rather than waited for.
   pollfd q{pidfd.get(), POLLIN, 0};
   if (pidfd.get() < 0 || ::poll(&q, 1, 1000) <= 0) ::kill(pid, SIGKILL);
-  ::waitpid(pid, nullptr, 0);
+  ::waitpid(pid, nullptr, __WALL);
   // Never deleted: whoever still holds it finds a closed socket. Kept reachable (for LeakSanitizer
   // too) from a list of the stopped.
   g_server->retired_next_ = g_retired;
@@ -268,10 +270,10 @@ std::string ForkServer::replace_dead_zygote() {
   if (attached_) throw SpawnError(fmt::format("the fork server (PID {}) closed its socket", pid_));
   // Its socket is closed: it has exited, or is about to. Reap it (SIGKILL in case it lingers).
   int status = 0;
-  pid_t r = ::waitpid(pid_, &status, WNOHANG);
+  pid_t r = ::waitpid(pid_, &status, WNOHANG | __WALL);
   if (r == 0) {
     ::kill(pid_, SIGKILL);
-    r = ::waitpid(pid_, &status, 0);
+    r = ::waitpid(pid_, &status, __WALL);
   }
   const std::string how =
       r == pid_ ? ExitStatus::from_wait_status(status).to_string() : std::string("exited");

@@ -239,13 +239,14 @@ TEST(Loader, ADeadForkServerIsReapedAndReplaced) {
   const pid_t old = zygote();
   ASSERT_EQ(::kill(old, SIGKILL), 0);
   siginfo_t info{};
-  ASSERT_EQ(::waitid(P_PID, static_cast<id_t>(old), &info, WEXITED | WNOWAIT), 0);  // dead now
+  ASSERT_EQ(::waitid(P_PID, static_cast<id_t>(old), &info, WEXITED | WNOWAIT | __WALL),
+            0);  // dead now
   ::testing::internal::CaptureStderr();
   const auto after = hashes(o, 1);
   const std::string said = ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(after, reference);
   EXPECT_NE(zygote(), old);
-  EXPECT_EQ(::waitpid(old, nullptr, WNOHANG), -1) << "the dead zygote is reaped";
+  EXPECT_EQ(::waitpid(old, nullptr, WNOHANG | __WALL), -1) << "the dead zygote is reaped";
   EXPECT_EQ(errno, ECHILD);
   EXPECT_NE(said.find(fmt::format("forkguard: the fork server (PID {}) died (killed by signal 9 "
                                   "(SIGKILL)); started a new one (PID {})",

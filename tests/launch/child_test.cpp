@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <fstream>
 #include <map>
@@ -325,4 +326,51 @@ TEST_F(Child, AChildOutlivesTheThreadThatStartedIt) {
   std::this_thread::sleep_for(200ms);
   ASSERT_TRUE(ft::is_alive(c.pid())) << "killed when the thread that started it ended";
   EXPECT_EQ(c.stop().signal, SIGKILL);  // stopped by us, not by the thread's end
+}
+
+TEST_F(Child, ANotWaitableChildIsNoChildAWaitForAnyFinds) {
+  // A program's reap-all loop (`while (wait(NULL) > 0)`, Python's os.wait() until
+  // ChildProcessError) ends at once with it running, and cannot take its exit status: only its
+  // handle reaps it, with the real status. In a single-threaded copy of this test.
+  pid_t forked = ::fork();
+  if (forked == 0) {
+    int go[2];
+    if (::pipe(go) != 0) ::_exit(2);
+    auto m = fd::start_child({.main =
+                                  [&] {
+                                    char c;
+                                    return ::read(go[0], &c, 1) == 1 ? 5 : 1;
+                                  },
+                              .keep_fds = {{go[0], go[0], false}},
+                              .waitable = false});
+    errno = 0;
+    const bool hidden = ::waitpid(-1, nullptr, 0) == -1 && errno == ECHILD;
+    const bool alive = ft::is_alive(m.pid());
+    if (::write(go[1], "x", 1) != 1) ::_exit(3);
+    const auto s = m.wait();
+    ::_exit(!m.waitable() && hidden && alive && s.code == 5 ? 0 : 1);
+  }
+  int st = 0;
+  ASSERT_EQ(::waitpid(forked, &st, 0), forked);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << "status " << st;
+
+  // An exec gives any process SIGCHLD as its exit signal again: an exec'd child is waitable.
+  auto exec = sh("exit 4");
+  auto c = fd::start_child({.exec = &exec, .waitable = false});
+  EXPECT_TRUE(c.waitable());
+  EXPECT_EQ(c.wait().code, 4);
+}
+
+TEST_F(Child, AMainFunctionOfAThreadedParentIsAnOrdinaryChild) {
+  // A raw clone runs none of glibc's fork handlers: with another thread running (which may hold
+  // malloc's lock), a main function is forked as usual, and is waitable.
+  std::atomic<bool> stop{false};
+  std::thread t([&] {
+    while (!stop) std::this_thread::sleep_for(1ms);
+  });
+  auto m = fd::start_child({.main = [] { return 6; }, .waitable = false});
+  stop = true;
+  t.join();
+  EXPECT_TRUE(m.waitable());
+  EXPECT_EQ(m.wait().code, 6);
 }

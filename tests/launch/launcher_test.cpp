@@ -182,6 +182,21 @@ void init_cuda_here() {
 
 // ---------------------------------------------------------------- clean parent
 
+TEST_F(Launcher, TheForkServerIsNoChildAReapAllLoopWaitsFor) {
+  // init() started the fork server; the program's own `while (wait(NULL) > 0)` ends at once (it
+  // used to block on the fork server for ever), and the fork server still serves.
+  const auto* server = forkguard::launch::detail::ForkServer::get();
+  ASSERT_NE(server, nullptr);
+  errno = 0;
+  EXPECT_EQ(::wait(nullptr), -1);
+  EXPECT_EQ(errno, ECHILD);
+  EXPECT_TRUE(ft::is_alive(server->pid()));
+  testing::internal::CaptureStdout();
+  auto r = fl::launch(quiet(2, fl::StartMethod::kForkServer), "print_context", {});
+  testing::internal::GetCapturedStdout();
+  EXPECT_TRUE(r.success());
+}
+
 TEST_F(Launcher, EveryStartMethodRunsEntriesWithTheirContext) {
   for (auto m : {fl::StartMethod::kSpawn, fl::StartMethod::kForkServer, fl::StartMethod::kFork}) {
     auto o = quiet(3, m);

@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -223,6 +224,32 @@ def test_file_names_that_are_not_utf8_come_back_as_os_functions_give_them(tmp_pa
     assert raised.value.key == os.fsdecode(bytes(cls) + b"/bad\xff.jpg")
 
 
+# <linux/wait.h> __WALL: a wait that finds clone children too, as the fork server is (a wait for any
+# child does not).
+_WALL = 0x40000000
+
+
+def test_the_fork_server_is_no_child_a_reap_all_loop_waits_for(tmp_path):
+    # `import forkguard` starts the C++ fork server. The common reap-all idiom used to block on it
+    # for ever; it ends at once now, and the fork server still serves process workers.
+    script = tmp_path / "reap_all.py"
+    script.write_text(
+        "import os, forkguard\n"
+        "server = forkguard._native.fork_server_pid()\n"
+        "assert server is not None\n"
+        "while True:\n"
+        "    try:\n"
+        "        os.wait()\n"
+        "    except ChildProcessError:\n"
+        "        break\n"
+        "os.kill(server, 0)\n"
+        "print('ended; the fork server runs')\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "ended; the fork server runs\n"
+
+
 def test_a_dead_fork_server_is_reaped_and_replaced(images, capfd):
     def first_batch_labels():
         loader = forkguard.ImageLoader(images, batch_size=4, workers=2, worker_kind="process",
@@ -236,12 +263,12 @@ def test_a_dead_fork_server_is_reaped_and_replaced(images, capfd):
     old = forkguard._native.fork_server_pid()
     assert old is not None
     os.kill(old, signal.SIGKILL)
-    os.waitid(os.P_PID, old, os.WEXITED | os.WNOWAIT)  # dead, not yet reaped
+    os.waitid(os.P_PID, old, os.WEXITED | os.WNOWAIT | _WALL)  # dead, not yet reaped
     assert first_batch_labels() == reference  # was: SpawnError "Broken pipe"
     new = forkguard._native.fork_server_pid()
     assert new not in (None, old)
     with pytest.raises(ChildProcessError):
-        os.waitpid(old, os.WNOHANG)  # reaped: no zombie left
+        os.waitpid(old, os.WNOHANG | _WALL)  # reaped: no zombie left
     assert f"the fork server (PID {old}) died (killed by signal 9 (SIGKILL)); started a new " \
            f"one (PID {new})" in capfd.readouterr().err
 
