@@ -38,6 +38,7 @@ T_co = TypeVar("T_co", covariant=True)
 _WORKER_STARTS = ("auto", "fork", "server")
 _CUDA_POLICIES = ("warn", "error", "allow")
 _BAD_SAMPLE = ("error", "skip")
+_WORKER_NAME = "fg-dl-worker"  # the workers' process name prefix (ps): fg-dl-worker-W
 _said = set()
 
 
@@ -480,9 +481,11 @@ class _ServerJobQueue(_native._JobQueue):
             key = f"{os.getpid()}-{next(_hold_keys)}"
             self._ask(server, ["dataloader_hold", key], parcel.fds, "held")
         try:
-            super().__init__(workers, prefetch, "server", None, server.pid, server.fd(),
-                             "forkguard.dataloader_worker", pickle.dumps((key, parcel.data)),
-                             0.0, 1 << 20, "fg-dl-worker", [], pin_device)
+            super().__init__(workers=workers, prefetch=prefetch, start=_native._JobStart.SERVER,
+                             server_pid=server.pid, server_sock=server.fd(),
+                             server_function="forkguard.dataloader_worker",
+                             setup=pickle.dumps((key, parcel.data)), pin_device=pin_device,
+                             name=_WORKER_NAME)
         except BaseException:
             parcel.give_back()
             raise
@@ -525,7 +528,7 @@ class _WorkerProcess:
         s = self._status()
         if s is None:
             return None
-        return -s[0] if s[0] else s[1]
+        return -s.signal if s.signal else s.code
 
     def terminate(self):
         self._signal(signal.SIGTERM)
@@ -592,11 +595,11 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
             from . import _launch
 
             server = _launch._server  # its socket: the Python fork server's EOF is its exit
-            queue = _native._JobQueue(self._num_workers, self._prefetch_factor, "fork",
-                                      _dataloader_worker.make(spec), None, None, "", b"", 0.0,
-                                      1 << 20, "fg-dl-worker",
-                                      [server.fd()] if server is not None else [],
-                                      pin_device)
+            queue = _native._JobQueue(
+                workers=self._num_workers, prefetch=self._prefetch_factor,
+                start=_native._JobStart.FORK, body=_dataloader_worker.make(spec),
+                close_in_child=[server.fd()] if server is not None else [],
+                pin_device=pin_device, name=_WORKER_NAME)
         else:
             from . import _launch
 
@@ -642,13 +645,13 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
             resumed = set()
             request = pickle.dumps(("resume", self._shared_seed, self._fg_epoch))
             for w in range(self._num_workers):
-                resumed.add(self._queue.submit(request, w)[0])
+                resumed.add(self._queue.submit(request, w))
             while resumed:
                 r = self._queue.next(None)
                 if r is None:
                     break
                 self._check(r)
-                resumed.discard(r[1])
+                resumed.discard(r.job)
         self._fill()
 
     def _fill(self):
@@ -657,22 +660,25 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
                 index = self._next_index()
             except StopIteration:
                 return
-            job, _ = self._queue.submit(pickle.dumps(("fetch", index), protocol=5),
-                                        self._fg_first_worker, in_order=self._in_order)
+            job = self._queue.submit(pickle.dumps(("fetch", index), protocol=5),
+                                     self._fg_first_worker, in_order=self._in_order)
             self._fg_first_worker = -1  # then round-robin from there
             self._task_info[job] = index
 
     def _check(self, r):
         """Raises for a timeout or a dead worker."""
-        if r[0] == "timeout":
+        if r.kind == _native._JobResult.TIMEOUT:
             raise RuntimeError("DataLoader timed out after {} seconds".format(self._timeout))
-        if r[0] == "died":
-            _, worker, pid, sig, code, how, held = r
-            indices = [self._task_info[j] for j in held if j in self._task_info]
+        if r.kind == _native._JobResult.DIED:
+            pid, sig, code = r.pid, r.status.signal, r.status.code
+            indices = [self._task_info[j] for j in r.held if j in self._task_info]
             self._shutdown_workers()
             self._fg_stopped_by = (
                 RuntimeError, "DataLoader worker (pid(s) {}) exited unexpectedly".format(pid))
-            if sig:
+            if r.message:  # its fork server ended, and took it along
+                text = "DataLoader worker (pid {}) exited unexpectedly: {}, and its workers " \
+                    "with it. ".format(pid, bytes(r.message).decode(errors="replace"))
+            elif sig:
                 text = "DataLoader worker (pid {}) is killed by signal: {}. ".format(
                     pid, signal.strsignal(sig))
             else:
@@ -702,9 +708,9 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
                     self._shutdown_workers()
                 raise StopIteration
             self._check(r)
-            _, job, worker, pid, kind, buf, message = r
-            index = self._task_info.pop(job, None)
-            if kind == _dataloader_worker.ERROR and len(buf) == 0:
+            worker, pid, kind, buf, message = r.worker, r.pid, r.job_kind, r.buffer, r.message
+            index = self._task_info.pop(r.job, None)
+            if kind == _native._JobKind.ERROR and len(buf) == 0:
                 # the worker's body itself failed (the batch could not be written): its text
                 raise RuntimeError("DataLoader worker {} (pid {}) could not return the batch of "
                                    "the samples {}: {}".format(
@@ -720,9 +726,9 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
                 self._fg_states[worker] = meta["state"]
             self._fg_next_worker = (worker + 1) % self._num_workers
             self._fill()
-            if kind == _dataloader_worker.CUDA:
+            if kind == _native._JobKind.CUDA:
                 self._cuda_found(message.decode(errors="replace"))
-            if kind == _dataloader_worker.ERROR:
+            if kind == _native._JobKind.ERROR:
                 data.reraise()
             if self._pin_memory:
                 data = torch.utils.data._utils.pin_memory.pin_memory(data, self._pin_memory_device)

@@ -23,10 +23,8 @@ from torch.utils.data import IterDataPipe, _DatasetKind, get_worker_info
 from torch.utils.data._utils import signal_handling
 from torch.utils.data._utils import worker as _torch_worker
 
-from . import _batch_codec, _torch_compat
-
-# The kinds of src/data/job_workers.hpp's JobKind.
-OK, ERROR, END, CUDA = 0, 1, 2, 3
+from . import _batch_codec, _native, _torch_compat
+from ._native import _JobBodyResult, _JobKind
 
 
 MAX_SUBSTITUTES = 16
@@ -211,7 +209,8 @@ def stateful(dataset_kind, dataset):
 
 
 class Worker:
-    """Called by the core for each job: (kind, bytes, message)."""
+    """Called by the core for each job: a _JobBodyResult (its kind, the bytes written, a
+    message)."""
 
     def __init__(self, spec, worker_id):
         # torch's workers are daemonic processes: a DataLoader with workers (or any
@@ -273,8 +272,6 @@ class Worker:
         """What CUDA state this worker has now, said about `stage`, or None."""
         if self.spec["cuda_in_workers"] == "allow" or self.cuda_said:
             return None
-        from . import _native
-
         found = _native.probe_if_fork_unsafe()
         if found is None:
             return None
@@ -295,9 +292,10 @@ class Worker:
                 _torch_worker._worker_info, dataset=self.dataset)
             if self.init_exception is None:
                 self._fetcher()
-            return OK, _batch_codec.encode((None, None), slot.reserve), ""
+            return _JobBodyResult(kind=_JobKind.OK,
+                                  bytes=_batch_codec.encode((None, None), slot.reserve))
         if self.iteration_end:
-            return END, 0, ""
+            return _JobBodyResult(kind=_JobKind.END)
         index = request[1]
         if self.init_exception is not None:
             data, self.init_exception = self.init_exception, None
@@ -308,7 +306,7 @@ class Worker:
             except StopIteration:
                 if self.spec["dataset_kind"] == _DatasetKind.Iterable:
                     self.iteration_end = True
-                    return END, 0, ""
+                    return _JobBodyResult(kind=_JobKind.END)
                 data = ExceptionWrapper(where="in DataLoader worker process {}".format(
                     self.worker_id))
             except Exception:
@@ -321,9 +319,9 @@ class Worker:
                 data = ExceptionWrapper(where="in DataLoader worker process {}".format(
                     self.worker_id))
                 ended = type(e).__name__ + (f": {e}" if str(e) else "")
-                return ERROR, _batch_codec.encode((data, {"ended": ended}), slot.reserve,
-                                                  self.spec.get("by_value", False)), ""
-        kind = ERROR if isinstance(data, ExceptionWrapper) else OK
+                return _JobBodyResult(kind=_JobKind.ERROR, bytes=_batch_codec.encode(
+                    (data, {"ended": ended}), slot.reserve, self.spec.get("by_value", False)))
+        kind = _JobKind.ERROR if isinstance(data, ExceptionWrapper) else _JobKind.OK
         found = self.pending_cuda
         self.pending_cuda = None
         if found is None:
@@ -334,13 +332,13 @@ class Worker:
         if self.guard is not None and self.guard.skipped:
             meta = {"skipped": self.guard.skipped}
             self.guard.skipped = []
-        if kind == OK and self.stateful:  # where this copy is once the batch is yielded
+        if kind == _JobKind.OK and self.stateful:  # where this copy is once the batch is yielded
             meta = dict(meta or {}, state=state)
         n = _batch_codec.encode((data, meta), slot.reserve, self.spec.get("by_value", False))
         self.stacks.recycle()  # the batch is in the slot: its buffers may take the next one
         if found is not None:
-            return CUDA, n, found
-        return kind, n, ""
+            return _JobBodyResult(kind=_JobKind.CUDA, bytes=n, message=found)
+        return _JobBodyResult(kind=kind, bytes=n)
 
     def close(self):
         for stream in (sys.stdout, sys.stderr):
@@ -365,7 +363,6 @@ def server_main(fd, held):
     _travel.pack); `held` is what the server held for the loaders as it forked this worker
     (dataloader_hold: KEY -> fds). KEY's are the fds the spec's multiprocessing objects refer to
     (found where a forkserver child finds them); the other loaders' are closed."""
-    from . import _native
 
     def build(setup, worker_id):
         key, data = pickle.loads(setup)

@@ -313,7 +313,14 @@ class ReroutedPopen:
             try:
                 status = server.link.wait_exit(
                     self.pid, min(max(0.0, deadline - time.monotonic()), 0.05))
-            except (OSError, Error, ValueError):
+            except Error:
+                # The server is gone and no report will come. Its children die with it
+                # (PR_SET_PDEATHSIG, SIGKILL): that is the status, once the sentinel says it died.
+                if connection.wait([self.sentinel],
+                                   min(max(0.0, deadline - time.monotonic()), 60.0)):
+                    return signal.SIGKILL  # the wait status of a process killed by SIGKILL
+                return None
+            except (OSError, ValueError):
                 return None
             if status is not None:
                 return status

@@ -4,7 +4,9 @@
 // (python/forkguard/_server.py, attached by PID and socket), which run the body the setup bytes
 // describe. A result comes back as a SlotBuffer: the slot's bytes, writable, through the buffer
 // protocol (torch.frombuffer and numpy.frombuffer view it without a copy); the slot goes back to
-// its worker when the last view of it dies.
+// its worker when the last view of it dies. Everything crosses by name: _JobQueue's keywords are
+// JobOptions' fields, next() answers a _JobResult, a worker's body returns a _JobBodyResult, and
+// the core's enums are bound (_JobKind, _JobStart, _JobResult.Kind), never mirrored in Python.
 #include <Python.h>
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
@@ -50,7 +52,7 @@ class WorkerSlotView {
   size_t input_;
 };
 
-// fn(job, slot_view) -> (kind, bytes, message); close() when the worker ends.
+// fn(job, slot_view) -> _JobBodyResult (JobBody::Result); close() when the worker ends.
 class PyBody : public fdd::JobBody {
  public:
   explicit PyBody(py::object fn) : fn_(std::move(fn)) {}
@@ -68,15 +70,13 @@ class PyBody : public fdd::JobBody {
     auto view = py::cast(WorkerSlotView(slot, input));
     Result r;
     try {
-      auto t = fn_(job, view).cast<py::tuple>();
-      r.kind = static_cast<fdd::JobKind>(t[0].cast<int>());
-      r.bytes = t[1].cast<size_t>();
-      r.message = t[2].cast<std::string>();
+      r = fn_(job, view).cast<Result>();
     } catch (const py::error_already_set& e) {
       // The body reports the user's errors itself: this is the body's own failure.
-      r.kind = fdd::JobKind::kError;
-      r.bytes = 0;
-      r.message = e.what();
+      r = {.kind = fdd::JobKind::kError, .message = e.what()};
+    } catch (const py::cast_error& e) {
+      r = {.kind = fdd::JobKind::kError,
+           .message = std::string("the worker's body returned no _JobBodyResult: ") + e.what()};
     }
     view.cast<WorkerSlotView&>().close();
     return r;
@@ -85,8 +85,6 @@ class PyBody : public fdd::JobBody {
  private:
   py::object fn_;
 };
-
-struct Queue;
 
 // A result's bytes; the slot is its worker's again once this (and every view of it) is gone.
 struct SlotBuffer {
@@ -100,47 +98,43 @@ struct SlotBuffer {
   size_t bytes;
 };
 
+// One answer of _JobQueue.next(): the core's JobResult, with a kResult's bytes as a SlotBuffer
+// (made once: it gives the slot back when the last reference to it dies).
+struct QueueResult {
+  fdd::JobResult r;
+  std::shared_ptr<SlotBuffer> buffer{};  // kResult only
+};
+
 struct Queue {
   std::shared_ptr<fdd::JobQueue> q;
   std::shared_ptr<forkguard::launch::detail::ForkServer> server;
 
-  Queue(int workers, size_t prefetch, const std::string& start, py::object make_body,
-        std::optional<int> server_pid, std::optional<int> server_sock, std::string function,
-        py::bytes setup, double start_timeout, size_t slot_bytes, std::string name,
-        std::vector<int> close_in_child, int pin_device) {
-    fdd::JobOptions o;
-    o.workers = workers;
-    o.prefetch = prefetch;
-    o.slot_bytes = slot_bytes;
-    o.pin_device = pin_device;
-    o.name = std::move(name);
-    o.start_timeout = std::chrono::milliseconds(static_cast<long long>(start_timeout * 1000));
-    if (start == "server") {
-      if (!server_pid || !server_sock) throw py::value_error("a server start needs the server");
-      server = forkguard::launch::detail::ForkServer::attach(*server_pid, *server_sock);
-      o.start = fdd::JobStart::kServer;
-      o.server = server.get();
-      o.server_function = std::move(function);
-      o.setup = std::string(setup);
-    } else if (start == "fork") {
-      o.start = fdd::JobStart::kFork;
-      make_body_ = std::move(make_body);  // called in the workers only
-      o.body = [make = &make_body_](int w) -> std::unique_ptr<fdd::JobBody> {
-        try {
-          return std::make_unique<PyBody>((*make)(w));
-        } catch (py::error_already_set& e) {
-          throw forkguard::data::DataError(e.what());
+  // `o` as the caller named it; kFork: `make_body` builds a worker's body (called in the
+  // workers only); kServer: the Python fork server, attached by PID and socket.
+  Queue(fdd::JobOptions o, py::object make_body, std::optional<int> server_pid,
+        std::optional<int> server_sock) {
+    switch (o.start) {
+      case fdd::JobStart::kServer:
+        if (!server_pid || !server_sock) throw py::value_error("a server start needs the server");
+        server = forkguard::launch::detail::ForkServer::attach(*server_pid, *server_sock);
+        o.server = server.get();
+        break;
+      case fdd::JobStart::kFork:
+        make_body_ = std::move(make_body);
+        o.body = [make = &make_body_](int w) -> std::unique_ptr<fdd::JobBody> {
+          try {
+            return std::make_unique<PyBody>((*make)(w));
+          } catch (py::error_already_set& e) {
+            throw forkguard::data::DataError(e.what());
+          }
+        };
+        o.before_fork = [] { PyOS_BeforeFork(); };
+        o.after_fork_parent = [] { PyOS_AfterFork_Parent(); };
+        o.after_fork_child = [] { PyOS_AfterFork_Child(); };
+        if (auto* zygote = forkguard::launch::detail::ForkServer::get()) {
+          o.close_in_child.push_back(zygote->fd());
         }
-      };
-      o.before_fork = [] { PyOS_BeforeFork(); };
-      o.after_fork_parent = [] { PyOS_AfterFork_Parent(); };
-      o.after_fork_child = [] { PyOS_AfterFork_Child(); };
-      o.close_in_child = close_in_child;
-      if (auto* zygote = forkguard::launch::detail::ForkServer::get()) {
-        o.close_in_child.push_back(zygote->fd());
-      }
-    } else {
-      throw py::value_error("start must be \"fork\" or \"server\"");
+        break;
     }
     q = std::make_shared<fdd::JobQueue>(std::move(o));
   }
@@ -157,22 +151,22 @@ struct Queue {
     q->await_started();
   }
 
-  // Writes `data` into the next job's slot and submits it; (job, worker).
   // torch's in_order as the queue's order of delivery (and of handing out jobs).
   static fdd::JobQueue::Order order(bool in_order) {
     return in_order ? fdd::JobQueue::Order::kJobs : fdd::JobQueue::Order::kDone;
   }
 
-  py::tuple submit(py::buffer data, int worker, bool in_order) {
+  // Writes `data` into the next job's slot and submits it; the job's number.
+  uint64_t submit(py::buffer data, int worker, bool in_order) {
     auto info = data.request();
     auto next = q->next_slot(worker, order(in_order));
     const auto n = static_cast<size_t>(info.size * info.itemsize);
     next.memory->reserve(n);
     std::memcpy(next.memory->data(), info.ptr, n);
-    return py::make_tuple(q->submit(next, n), next.worker);
+    return q->submit(next, n);
   }
 
-  py::object next(std::optional<double> timeout, bool in_order) {
+  std::optional<QueueResult> next(std::optional<double> timeout, bool in_order) {
     std::optional<fdd::JobResult> r;
     {
       py::gil_scoped_release nogil;
@@ -180,22 +174,12 @@ struct Queue {
       if (timeout) t = std::chrono::milliseconds(static_cast<long long>(*timeout * 1000));
       r = q->next(t, order(in_order));
     }
-    if (!r) return py::none();
-    switch (r->kind) {
-      case fdd::JobResult::Kind::kResult: {
-        auto buf = std::make_shared<SlotBuffer>(q, r->slot, r->bytes);
-        return py::make_tuple("result", r->job, r->worker, r->pid, static_cast<int>(r->job_kind),
-                              py::cast(buf), py::bytes(r->message));
-      }
-      case fdd::JobResult::Kind::kTimeout:
-        return py::make_tuple("timeout", r->job, r->worker, r->pid);
-      case fdd::JobResult::Kind::kDied: break;
+    if (!r) return std::nullopt;
+    QueueResult out{.r = std::move(*r)};
+    if (out.r.kind == fdd::JobResult::Kind::kResult) {
+      out.buffer = std::make_shared<SlotBuffer>(q, out.r.slot, out.r.bytes);
     }
-    const auto& s = r->status;
-    const bool signaled = s.kind == forkguard::launch::ExitStatus::Kind::kSignaled;
-    return py::make_tuple("died", r->worker, r->pid, signaled ? s.signal : 0,
-                          s.kind == forkguard::launch::ExitStatus::Kind::kExited ? s.code : -1,
-                          s.to_string(), r->held);
+    return out;
   }
 
  private:
@@ -205,6 +189,30 @@ struct Queue {
 }  // namespace
 
 void bind_dataloader(py::module_& m) {
+  using forkguard::launch::ExitStatus;
+
+  py::enum_<fdd::JobKind>(m, "_JobKind")
+      .value("OK", fdd::JobKind::kOk)
+      .value("ERROR", fdd::JobKind::kError)
+      .value("END", fdd::JobKind::kEnd)
+      .value("CUDA", fdd::JobKind::kCuda);
+
+  py::enum_<fdd::JobStart>(m, "_JobStart")
+      .value("FORK", fdd::JobStart::kFork)
+      .value("SERVER", fdd::JobStart::kServer);
+
+  // What a worker's body returns for a job (JobBody::Result).
+  const fdd::JobBody::Result body_result;
+  py::class_<fdd::JobBody::Result>(m, "_JobBodyResult")
+      .def(py::init([](fdd::JobKind kind, size_t bytes, std::string message) {
+             return fdd::JobBody::Result{.kind = kind, .bytes = bytes, .message = message};
+           }),
+           py::kw_only(), py::arg("kind") = body_result.kind, py::arg("bytes") = body_result.bytes,
+           py::arg("message") = body_result.message)
+      .def_readonly("kind", &fdd::JobBody::Result::kind)
+      .def_readonly("bytes", &fdd::JobBody::Result::bytes)
+      .def_readonly("message", &fdd::JobBody::Result::message);
+
   py::class_<WorkerSlotView>(m, "_WorkerSlot")
       .def("input", &WorkerSlotView::input)
       .def("reserve", &WorkerSlotView::reserve, py::arg("bytes"));
@@ -217,14 +225,75 @@ void bind_dataloader(py::module_& m) {
       })
       .def("__len__", [](const SlotBuffer& b) { return b.bytes; });
 
+  // How a worker ended (launch::ExitStatus).
+  py::class_<ExitStatus>(m, "_ExitStatus")
+      .def_property_readonly("signal",
+                             [](const ExitStatus& s) {  // the signal that killed it, else 0
+                               return s.kind == ExitStatus::Kind::kSignaled ? s.signal : 0;
+                             })
+      .def_property_readonly("code",
+                             [](const ExitStatus& s) {  // its exit code, else -1
+                               return s.kind == ExitStatus::Kind::kExited ? s.code : -1;
+                             })
+      .def_readonly("core_dumped", &ExitStatus::core_dumped)
+      .def("__str__", &ExitStatus::to_string)
+      .def("__repr__", [](const ExitStatus& s) { return "<_ExitStatus: " + s.to_string() + ">"; });
+
+  py::class_<QueueResult> result(m, "_JobResult");
+  py::enum_<fdd::JobResult::Kind>(result, "Kind")
+      .value("RESULT", fdd::JobResult::Kind::kResult)
+      .value("DIED", fdd::JobResult::Kind::kDied)
+      .value("TIMEOUT", fdd::JobResult::Kind::kTimeout)
+      .export_values();
+  result.def_property_readonly("kind", [](const QueueResult& x) { return x.r.kind; })
+      .def_property_readonly("job", [](const QueueResult& x) { return x.r.job; })
+      .def_property_readonly("worker", [](const QueueResult& x) { return x.r.worker; })
+      .def_property_readonly("pid", [](const QueueResult& x) { return x.r.pid; })
+      // RESULT: the job's kind, its bytes (a _SlotBuffer) and its message (bytes)
+      .def_property_readonly("job_kind", [](const QueueResult& x) { return x.r.job_kind; })
+      .def_property_readonly("buffer", [](const QueueResult& x) { return x.buffer; })
+      .def_property_readonly("message", [](const QueueResult& x) { return py::bytes(x.r.message); })
+      // DIED: its exit status, and the jobs it held and did not do, in order
+      .def_property_readonly("status",
+                             [](const QueueResult& x) -> std::optional<ExitStatus> {
+                               if (x.r.kind != fdd::JobResult::Kind::kDied) return std::nullopt;
+                               return x.r.status;
+                             })
+      .def_property_readonly("held", [](const QueueResult& x) { return x.r.held; });
+
+  // The constructor's keywords are JobOptions' fields, with its defaults (the fork hooks and the
+  // server itself are this binding's).
+  const fdd::JobOptions options;
   py::class_<Queue>(m, "_JobQueue")
-      .def(py::init<int, size_t, const std::string&, py::object, std::optional<int>,
-                    std::optional<int>, std::string, py::bytes, double, size_t, std::string,
-                    std::vector<int>, int>(),
-           py::arg("workers"), py::arg("prefetch"), py::arg("start"), py::arg("make_body"),
-           py::arg("server_pid"), py::arg("server_sock"), py::arg("function"), py::arg("setup"),
-           py::arg("start_timeout"), py::arg("slot_bytes"), py::arg("name"),
-           py::arg("close_in_child") = std::vector<int>{}, py::arg("pin_device") = -1)
+      .def(py::init([](int workers, size_t prefetch, fdd::JobStart start, py::object body,
+                       std::vector<int> close_in_child, std::optional<int> server_pid,
+                       std::optional<int> server_sock, std::string server_function, py::bytes setup,
+                       double start_timeout, size_t slot_bytes, int pin_device, std::string name) {
+             return std::make_unique<Queue>(
+                 fdd::JobOptions{
+                     .workers = workers,
+                     .prefetch = prefetch,
+                     .start = start,
+                     .close_in_child = std::move(close_in_child),
+                     .server_function = std::move(server_function),
+                     .setup = std::string(setup),
+                     .start_timeout =
+                         std::chrono::milliseconds(static_cast<long long>(start_timeout * 1000)),
+                     .slot_bytes = slot_bytes,
+                     .pin_device = pin_device,
+                     .name = std::move(name),
+                 },
+                 std::move(body), server_pid, server_sock);
+           }),
+           py::kw_only(), py::arg("workers") = options.workers,
+           py::arg("prefetch") = options.prefetch, py::arg("start") = options.start,
+           py::arg("body") = py::none(), py::arg("close_in_child") = options.close_in_child,
+           py::arg("server_pid") = py::none(), py::arg("server_sock") = py::none(),
+           py::arg("server_function") = options.server_function,
+           py::arg("setup") = py::bytes(options.setup),
+           py::arg("start_timeout") = std::chrono::duration<double>(options.start_timeout).count(),
+           py::arg("slot_bytes") = options.slot_bytes, py::arg("pin_device") = options.pin_device,
+           py::arg("name") = options.name)
       .def("await_started", &Queue::await_started)
       .def("wants_job", [](const Queue& s) { return s.q->wants_job(); })
       .def("submit", &Queue::submit, py::arg("data"), py::arg("worker") = -1,
@@ -235,19 +304,10 @@ void bind_dataloader(py::module_& m) {
       .def("pids", [](const Queue& s) { return s.q->pids(); })
       .def(
           "exit_status",
-          [](Queue& s, int w, double timeout) -> py::object {
-            std::optional<forkguard::launch::ExitStatus> st;
-            {
-              py::gil_scoped_release nogil;
-              st = s.q->exit_status(
-                  w, std::chrono::milliseconds(static_cast<long long>(timeout * 1000)));
-            }
-            if (!st) return py::none();
-            const bool sig = st->kind == forkguard::launch::ExitStatus::Kind::kSignaled;
-            return py::make_tuple(
-                sig ? st->signal : 0,
-                st->kind == forkguard::launch::ExitStatus::Kind::kExited ? st->code : -1,
-                st->to_string());
+          [](Queue& s, int w, double timeout) {
+            py::gil_scoped_release nogil;
+            return s.q->exit_status(
+                w, std::chrono::milliseconds(static_cast<long long>(timeout * 1000)));
           },
           py::arg("worker"), py::arg("timeout") = 0.0)
       .def(

@@ -13,17 +13,18 @@
 #include <map>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <variant>
 
 #include "cuda/host_pinning.hpp"
 #include "data/slot.hpp"
 #include "data/worker_protocol.hpp"
+#include "data/worker_sockets.hpp"
 #include "detail/deadline.hpp"
 #include "detail/fd.hpp"
 #include "detail/seqpacket.hpp"
 #include "forkguard/data/error.hpp"
 #include "forkguard/error.hpp"
+#include "forkguard/launch/launcher.hpp"
 #include "launch/child.hpp"
 #include "launch/fork_server.hpp"
 
@@ -178,22 +179,6 @@ int serve_jobs_after_setup(
 }
 
 // ------------------------------------------------------------------ the loader's side
-// Every queue's loader-side sockets, closed in each forked worker: a worker holding another
-// queue's socket would keep that queue's worker from seeing EOF when its loader stops.
-std::mutex g_loader_socks_mutex;
-std::set<int> g_loader_socks;
-
-void register_sock(const UniqueFd& fd) {
-  std::lock_guard lock(g_loader_socks_mutex);
-  g_loader_socks.insert(fd.get());
-}
-void close_sock(UniqueFd& fd) {
-  if (!fd) return;
-  std::lock_guard lock(g_loader_socks_mutex);
-  g_loader_socks.erase(fd.get());
-  fd.reset();
-}
-
 class JobQueue::Impl : public JobSlot {
  public:
   explicit Impl(JobOptions o) : o_(std::move(o)) {
@@ -413,7 +398,7 @@ class JobQueue::Impl : public JobSlot {
   void stop(bool now) {
     for (auto& p : procs_) {
       p.active = false;
-      close_sock(p.sock);  // EOF: the worker ends its job and exits
+      p.sock.reset();  // EOF: the worker ends its job and exits
       if (now && p.alive) kill(p);
     }
     for (auto& p : procs_) {
@@ -446,12 +431,13 @@ class JobQueue::Impl : public JobSlot {
  private:
   struct Proc {
     pid_t pid = -1;
-    UniqueFd sock;
+    WorkerSocket sock;
     launch::detail::Child child;               // kFork
     bool alive = false;                        // started, not known to have ended
     bool active = true;                        // takes jobs (not after kEnd)
     std::optional<launch::ExitStatus> status;  // once collected
-    std::vector<int> free;                     // its slots not in use
+    std::string lost;       // its fork server ended, and it with it: no status comes
+    std::vector<int> free;  // its slots not in use
   };
   struct SlotState {
     int worker = 0;
@@ -489,12 +475,7 @@ class JobQueue::Impl : public JobSlot {
   };
 
   void start(int w, int setup_fd) {
-    int sv[2];
-    if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) {
-      throw SystemError("socketpair for a worker", errno);
-    }
-    UniqueFd mine(sv[0]);
-    UniqueFd theirs(sv[1]);
+    auto [mine, theirs] = make_worker_sockets();
     auto& p = procs_[static_cast<size_t>(w)];
     if (o_.start == JobStart::kServer) {
       p.pid = o_.server->start_call(o_.server_function, theirs.get());
@@ -502,30 +483,25 @@ class JobQueue::Impl : public JobSlot {
       if (!send(mine.get(), SetupMessage{.bytes = o_.setup.size(), .worker = w}, setup_fd)) {
         const int e = errno;
         p.sock = std::move(mine);
-        register_sock(p.sock);
         p.alive = true;
         throw WorkerError(fmt::format("cannot send worker {} its setup: {}", w, std::strerror(e)),
                           w, p.pid, {});
       }
     } else {
-      // Prepared before the fork: the loader's ends of the other workers' sockets, which this
-      // worker must not hold (they would never see EOF), and its name.
-      std::vector<int> close_in_child = o_.close_in_child;
-      close_in_child.push_back(mine.get());
-      {
-        std::lock_guard lock(g_loader_socks_mutex);
-        close_in_child.insert(close_in_child.end(), g_loader_socks.begin(), g_loader_socks.end());
-      }
+      // Prepared before the fork: its name. The sockets of every worker pool of this process, ours
+      // included, are closed in it by start_worker, which reads them at the fork: before_fork
+      // may let other threads run (Python's at-fork handlers), which start or stop loaders too.
       const std::string name = fmt::format("{}-{}", o_.name, w);
       const int sock = theirs.get();
       if (o_.before_fork) o_.before_fork();
       try {
-        p.child = launch::detail::start_child({.main = [this, sock, w] { return forked(sock, w); },
-                                               .close_other_fds = false,
-                                               .close_fds = close_in_child,
-                                               .name = name.c_str(),
-                                               .stop = {.signal = 0},
-                                               .what = fmt::format("worker {}", w)});
+        p.child = start_worker({.main = [this, sock, w] { return forked(sock, w); },
+                                .close_other_fds = false,
+                                .close_fds = o_.close_in_child,
+                                .name = name.c_str(),
+                                .stop = {.signal = 0},
+                                .what = fmt::format("worker {}", w)},
+                               sock);
       } catch (...) {
         if (o_.after_fork_parent) o_.after_fork_parent();
         throw;
@@ -535,7 +511,6 @@ class JobQueue::Impl : public JobSlot {
       theirs.reset();
     }
     p.sock = std::move(mine);
-    register_sock(p.sock);
     p.alive = true;
   }
 
@@ -690,13 +665,14 @@ class JobQueue::Impl : public JobSlot {
     auto& p = procs_[static_cast<size_t>(w)];
     p.alive = false;
     p.active = false;
-    close_sock(p.sock);
+    p.sock.reset();
     if (!collect(p, kExitGrace)) {  // it closed its socket yet lives on: make sure it is gone
       kill(p);
       collect(p, std::chrono::seconds(30));
     }
     JobResult r{.kind = JobResult::Kind::kDied, .worker = w, .pid = p.pid};
     if (p.status) r.status = *p.status;
+    if (!p.lost.empty()) r.message = p.lost;
     return r;  // the jobs it held: when it is reported (report_death)
   }
 
@@ -709,11 +685,16 @@ class JobQueue::Impl : public JobSlot {
   }
 
   bool collect(Proc& p, std::chrono::milliseconds timeout) {
-    if (p.status || p.pid <= 0) return true;
+    if (p.status || !p.lost.empty() || p.pid <= 0) return true;
     if (o_.start == JobStart::kServer) {
       if (o_.server == nullptr) return false;  // detached: its exit report is not ours to read
-      if (auto status = o_.server->wait_exit(p.pid, timeout)) {
-        p.status = launch::ExitStatus::from_wait_status(*status);
+      try {
+        if (auto status = o_.server->wait_exit(p.pid, timeout)) {
+          p.status = launch::ExitStatus::from_wait_status(*status);
+        }
+      } catch (const forkguard::launch::SpawnError&) {
+        p.lost = o_.server->ended();  // its children die with it (PR_SET_PDEATHSIG)
+        return true;
       }
       return p.status.has_value();
     }

@@ -101,8 +101,9 @@ struct JobOptions {
   // kFork: called around the fork in the parent (before; after) and first thing in the child.
   std::function<void()> before_fork{}, after_fork_parent{};
   void (*after_fork_child)() = nullptr;
-  // kFork: fds of this process a worker must not hold (a fork server's socket: the server sees
-  // EOF only once every holder closed it).
+  // kFork: more fds of this process a worker must not hold (the Python fork server's socket: a
+  // server sees EOF only once every holder closed it). Every worker pool's sockets and the C++
+  // fork server's are closed in it anyway (data/worker_sockets.hpp).
   std::vector<int> close_in_child{};
   // kServer:
   launch::detail::ForkServer* server = nullptr;

@@ -29,11 +29,13 @@
 #include <variant>
 
 #include "data/worker_protocol.hpp"
+#include "data/worker_sockets.hpp"
 #include "data/workers.hpp"
 #include "detail/deadline.hpp"
 #include "detail/seqpacket.hpp"
 #include "forkguard/data/error.hpp"
 #include "forkguard/launch/exit_status.hpp"
+#include "forkguard/launch/launcher.hpp"
 #include "forkguard/probe/cuda_state.hpp"
 #include "launch/child.hpp"
 #include "launch/fork_server.hpp"
@@ -375,12 +377,13 @@ class ProcessWorkers : public Workers {
  private:
   struct Proc {
     pid_t pid = -1;
-    UniqueFd sock;
+    WorkerSocket sock;
     UniqueFd pidfd;
     bool alive = false;
     std::vector<bool> has_slot;
     int status = 0;  // wait status, once collected
     bool collected = false;
+    std::string lost;  // collected: its fork server ended, and it with it (no status comes)
   };
 
   nlohmann::json setup_json() const {
@@ -401,12 +404,7 @@ class ProcessWorkers : public Workers {
   }
 
   void start(int w, int setup_fd, size_t setup_size) {
-    int sv[2];
-    if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) {
-      throw SystemError("socketpair for a process worker", errno);
-    }
-    UniqueFd mine(sv[0]);
-    UniqueFd theirs(sv[1]);
+    auto [mine, theirs] = make_worker_sockets();
     auto& p = procs_[static_cast<size_t>(w)];
     if (via_) {
       p.pid = ForkServer::get()->start_call(kZygoteFunction, theirs.get());
@@ -420,7 +418,7 @@ class ProcessWorkers : public Workers {
                                     setup_size, std::strerror(e)));
       }
     } else {
-      p.pid = guarded_fork(w, theirs.get(), mine.get());
+      p.pid = guarded_fork(w, theirs.get());
       theirs.reset();
     }
     p.sock = std::move(mine);
@@ -429,14 +427,9 @@ class ProcessWorkers : public Workers {
     p.pidfd.reset(static_cast<int>(::syscall(SYS_pidfd_open, p.pid, 0)));
   }
 
-  pid_t guarded_fork(int w, int child_sock, int parent_sock) {
-    // Everything is prepared here, before the fork: the loader-side sockets of the workers
-    // started so far, which the child must not keep open (their workers would never see EOF), its
-    // name, its producer, and the check that this process may fork (the worker is a copy of it).
-    std::vector<int> close_in_child{parent_sock};
-    for (const auto& p : procs_) {
-      if (p.sock) close_in_child.push_back(p.sock.get());
-    }
+  pid_t guarded_fork(int w, int child_sock) {
+    // Everything is prepared here, before the fork: its name, its producer, and the check that
+    // this process may fork (the worker is a copy of it).
     const std::string name = fmt::format("fg-worker-{}", w);
     Producer producer(*setup_.dataset, *setup_.transform, setup_.producer);
     std::string why;
@@ -449,26 +442,27 @@ class ProcessWorkers : public Workers {
       }
     }
     // Its own process group: a terminal's Ctrl-C stops the loader, which then stops its workers.
-    // It keeps what this process has open (the dataset's files), all but close_in_child.
-    return launch::detail::start_child({.main =
-                                            [&, w, child_sock] {
-                                              // The worker: a copy of a CUDA-clean process, which
-                                              // may allocate. Only the init hook's own effect is
-                                              // probed here (what the hook did, after it ran).
-                                              if (why.empty() && !setup_.worker_init.empty()) {
-                                                why = prepare_worker(setup_, w);
-                                              }
-                                              if (!why.empty()) {
-                                                send_message(child_sock, encode(FailedReply{why}));
-                                                return 3;
-                                              }
-                                              send_message(child_sock, encode(ReadyReply{}));
-                                              return serve(child_sock, producer);
-                                            },
-                                        .close_other_fds = false,
-                                        .close_fds = close_in_child,
-                                        .name = name.c_str(),
-                                        .what = fmt::format("process worker {}", w)})
+    // It keeps what this process has open (the dataset's files), all but the sockets of every
+    // worker pool of this process (start_worker).
+    return start_worker({.main =
+                             [&, w, child_sock] {
+                               // The worker: a copy of a CUDA-clean process, which may allocate.
+                               // Only the init hook's own effect is probed here (what the hook
+                               // did, after it ran).
+                               if (why.empty() && !setup_.worker_init.empty()) {
+                                 why = prepare_worker(setup_, w);
+                               }
+                               if (!why.empty()) {
+                                 send_message(child_sock, encode(FailedReply{why}));
+                                 return 3;
+                               }
+                               send_message(child_sock, encode(ReadyReply{}));
+                               return serve(child_sock, producer);
+                             },
+                         .close_other_fds = false,
+                         .name = name.c_str(),
+                         .what = fmt::format("process worker {}", w)},
+                        child_sock)
         .release();  // reaped by collect(), which waits on its pidfd
   }
 
@@ -522,6 +516,7 @@ class ProcessWorkers : public Workers {
 
   std::string how(const Proc& p) const {
     if (!p.collected) return "stopped (exit status unknown)";
+    if (!p.lost.empty()) return "died with its fork server: " + p.lost;
     return launch::ExitStatus::from_wait_status(p.status).to_string();
   }
 
@@ -537,8 +532,13 @@ class ProcessWorkers : public Workers {
   bool collect(Proc& p, std::chrono::milliseconds timeout) {
     if (p.collected || p.pid <= 0) return true;
     if (via_) {
-      if (auto status = ForkServer::get()->wait_exit(p.pid, timeout)) {
-        p.status = *status;
+      try {
+        if (auto status = ForkServer::get()->wait_exit(p.pid, timeout)) {
+          p.status = *status;
+          p.collected = true;
+        }
+      } catch (const forkguard::launch::SpawnError&) {
+        p.lost = ForkServer::get()->ended();  // its children die with it (PR_SET_PDEATHSIG)
         p.collected = true;
       }
       return p.collected;

@@ -293,6 +293,8 @@ std::string ForkServer::replace_dead_zygote() {
   sock_ = forkguard::detail::UniqueFd(sock);
   exits_.clear();  // its children died with it (PR_SET_PDEATHSIG); nobody waits for their news
   have_reply_ = false;
+  closed_ = false;
+  ended_.clear();
   std::fprintf(stderr, "forkguard: %s\n", notice.c_str());
   return notice;
 }
@@ -300,7 +302,10 @@ std::string ForkServer::replace_dead_zygote() {
 bool ForkServer::read_one(bool block) {
   std::vector<std::string> f;
   int fds[kMaxFds];
-  if (!recv_message(sock_.get(), f, fds, block ? 0 : MSG_DONTWAIT)) return false;
+  if (!recv_message(sock_.get(), f, fds, block ? 0 : MSG_DONTWAIT)) {
+    if (errno != EAGAIN && errno != EWOULDBLOCK) closed_ = true;
+    return false;
+  }
   for (int fd : fds) {
     if (fd >= 0) ::close(fd);
   }
@@ -347,6 +352,27 @@ std::optional<std::vector<std::string>> ForkServer::exchange(
   return std::move(reply_fields_);
 }
 
+std::string ForkServer::ended() {
+  if (!ended_.empty()) return ended_;
+  std::string how = "its socket closed";
+  // Its socket closes as it exits, a moment before it can be waited for: give it that moment.
+  const UniqueFd pidfd(static_cast<int>(::syscall(SYS_pidfd_open, pid_, 0)));
+  if (pidfd) {
+    pollfd q{pidfd.get(), POLLIN, 0};
+    ::poll(&q, 1, 1000);
+  }
+  siginfo_t info{};
+  if (::waitid(P_PID, static_cast<id_t>(pid_), &info, WEXITED | WNOWAIT | WNOHANG | __WALL) == 0 &&
+      info.si_pid == pid_) {
+    const auto status = info.si_code == CLD_EXITED
+                            ? ExitStatus::exited(info.si_status)
+                            : ExitStatus::signaled(info.si_status, info.si_code == CLD_DUMPED);
+    how = status.to_string();
+  }
+  ended_ = fmt::format("the fork server (PID {}) ended ({})", pid_, how);
+  return ended_;
+}
+
 std::vector<std::pair<pid_t, int>> ForkServer::take_exits(const std::function<bool(pid_t)>& mine) {
   std::lock_guard lock(mutex_);
   while (read_one(false)) {
@@ -372,6 +398,9 @@ std::optional<int> ForkServer::wait_exit(pid_t pid, std::chrono::milliseconds ti
         exits_.erase(it);
         return status;
       }
+    }
+    if (closed_) {
+      throw SpawnError(fmt::format("{}: no exit report of PID {} will come", ended(), pid));
     }
     auto left =
         std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());

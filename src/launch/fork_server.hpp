@@ -59,8 +59,16 @@ class ForkServer {
   // Exit reports received so far (PID, wait status) for the PIDs `mine` claims; reads what is
   // pending without blocking. Reports nobody has claimed yet stay queued.
   std::vector<std::pair<pid_t, int>> take_exits(const std::function<bool(pid_t)>& mine);
-  // Waits up to `timeout` for the exit report of `pid`; its wait status, or nullopt.
+  // Waits up to `timeout` for the exit report of `pid`; its wait status, or nullopt. Throws
+  // SpawnError naming the server and how it ended (ended()) once its socket is closed and no
+  // report of `pid` is queued: none will come (its children die with it, PR_SET_PDEATHSIG).
   std::optional<int> wait_exit(pid_t pid, std::chrono::milliseconds timeout);
+  // Whether its socket was found closed (it exited, or is exiting).
+  bool closed() const { return closed_; }
+  // "the fork server (PID N) ended (killed by signal 9 (SIGKILL))": the status when it is this
+  // process's child (the zygote; the interpreter server, _native.start_process), looked at
+  // without reaping it (its owner does); "(its socket closed)" when it cannot be known.
+  std::string ended();
 
   // Any request of the server's protocol (the Python server's "preload", "guard_start" with up to
   // kMaxSendFds fds) and the fields of the next message that is not an exit report (those are
@@ -89,6 +97,8 @@ class ForkServer {
   ZygoteReply reply_;
   std::vector<std::string> reply_fields_;  // the same reply as it came
   bool have_reply_ = false;
+  bool closed_ = false;  // recv found EOF
+  std::string ended_;    // ended(), once known
 };
 
 // A function the zygote can fork a child for: registered at static-initialization time (so the

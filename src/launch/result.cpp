@@ -13,13 +13,18 @@ int Result::exit_code() const {
   return 0;
 }
 
+std::string RankResult::describe() const {
+  if (lost.empty()) return status.to_string();
+  return fmt::format("{}: {}, and its ranks with it", status.to_string(), lost);
+}
+
 std::string Result::report() const {
   std::string out;
   if (root_cause >= 0) {
     const auto& r = ranks[static_cast<size_t>(root_cause)];
     out += fmt::format(
         "rank {} (local rank {}, PID {}) failed first: {}{}\n", r.rank, r.local_rank, r.pid,
-        r.status.to_string(),
+        r.describe(),
         restarts > 0 ? fmt::format(" (after {} restart{})", restarts, restarts == 1 ? "" : "s")
                      : std::string());
     if (!r.stderr_tail.empty()) {
@@ -61,7 +66,7 @@ std::string Result::to_json() const {
                           {"exit_code", r.status.code},
                           {"signal", r.status.signal},
                           {"core_dumped", r.status.core_dumped},
-                          {"description", r.status.to_string()},
+                          {"description", r.describe()},
                           {"seconds", r.seconds},
                           {"stopped_by_launcher", r.stopped_by_launcher},
                           {"stderr_tail", r.stderr_tail}});

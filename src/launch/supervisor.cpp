@@ -50,6 +50,7 @@ struct Rank {
   ExitStatus status;
   double seconds = 0;
   bool stopped_by_launcher = false;
+  std::string lost;  // RankResult::lost
   Stream out, err;
 };
 
@@ -101,7 +102,8 @@ class Attempt {
                            r.status,
                            r.seconds,
                            r.stopped_by_launcher,
-                           {r.err.output.tail().begin(), r.err.output.tail().end()}});
+                           {r.err.output.tail().begin(), r.err.output.tail().end()},
+                           r.lost});
     }
     return res;
   }
@@ -262,6 +264,14 @@ class Attempt {
             on_exit(rk, ExitStatus::from_wait_status(status));
           }
         }
+      }
+      if (!server->closed()) return;
+      // It ended: no report will come, and its ranks died with it (their parent-death signal).
+      const std::string ended = server->ended();
+      for (auto& rk : ranks_) {
+        if (!rk.running || !rk.via_server) continue;
+        rk.lost = ended;
+        on_exit(rk, ExitStatus::signaled(SIGKILL));
       }
     };
     while (true) {

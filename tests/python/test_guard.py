@@ -801,3 +801,30 @@ def test_the_environment_variable_guards_a_script_that_never_imports_forkguard(
     while marked_pids(f"FORKGUARD_GUARD_TEST={marker}") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert marked_pids(f"FORKGUARD_GUARD_TEST={marker}") == []
+
+
+def test_reroute_a_killed_fork_server_gives_its_children_the_real_status_at_once(script):
+    # The interpreter fork server SIGKILLed under two rerouted Processes: their children die
+    # with it (its parent-death signal), and join() says so at once with their real status, -9.
+    # It used to take 5 s per join and say 255.
+    out = script("""
+        import signal, time
+        from forkguard import _launch
+        def sleeper():
+            time.sleep(60)
+        cuinit()
+        forkguard.guard()
+        ps = [mp.Process(target=sleeper) for _ in range(2)]
+        for p in ps:
+            p.start()
+        os.kill(_launch._server.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        for p in ps:
+            p.join()
+        print("joined in", round(time.monotonic() - t0, 2), "exit codes", [p.exitcode for p in ps])
+        assert time.monotonic() - t0 < 2.0
+        print("children:", mp.active_children())
+    """)
+    assert "exit codes [-9, -9]" in out.stdout, out.stdout + out.stderr
+    assert "children: []" in out.stdout
+

@@ -40,6 +40,11 @@ struct RankResult {
   double seconds = 0;                    // start to exit
   bool stopped_by_launcher = false;      // signalled by the stop policy, not a failure of its own
   std::vector<std::string> stderr_tail;  // last lines of its stderr
+  // Why no exit status of its own came: its fork server ended, and it with it (the status is
+  // then the server's parent-death signal, SIGKILL). Empty when it was reported.
+  std::string lost{};
+
+  std::string describe() const;  // the status, and `lost` when set
 };
 
 struct Result {
