@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -195,6 +196,48 @@ TEST_F(Launcher, TheForkServerIsNoChildAReapAllLoopWaitsFor) {
   auto r = fl::launch(quiet(2, fl::StartMethod::kForkServer), "print_context", {});
   testing::internal::GetCapturedStdout();
   EXPECT_TRUE(r.success());
+}
+
+TEST_F(Launcher, AForkServerKilledUnderALaunchIsNamedAtOnceAndReplaced) {
+  // Its ranks die with it (their reapers' parent-death signal); no exit report can come any
+  // more. The launch ends at once naming the fork server and how it ended; the next launch gets
+  // a new one.
+  const pid_t zygote = forkguard::launch::detail::ForkServer::get()->pid();
+  const int old_socket = forkguard::launch::detail::ForkServer::get()->fd();
+  std::thread killer([&] {
+    // Once both ranks run under it (their reapers are its children).
+    while (ft::children_of(zygote).size() < 2) std::this_thread::sleep_for(5ms);
+    std::this_thread::sleep_for(50ms);
+    ::kill(zygote, SIGKILL);
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  fl::Result r;
+  try {
+    fl::launch(quiet(2, fl::StartMethod::kForkServer), "sleeps", {});
+    ADD_FAILURE() << "ranks that died with their fork server must throw";
+  } catch (const fl::RankFailedError& e) {
+    r = e.result();
+  }
+  killer.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  ASSERT_GE(r.root_cause, 0);
+  EXPECT_EQ(r.ranks[static_cast<size_t>(r.root_cause)].status.signal, SIGKILL);
+  EXPECT_NE(r.report().find(fmt::format("the fork server (PID {}) ended (killed by signal 9 "
+                                        "(SIGKILL)), and its ranks with it",
+                                        zygote)),
+            std::string::npos)
+      << r.report();
+  testing::internal::CaptureStderr();  // "started a new one"
+  testing::internal::CaptureStdout();
+  auto again = fl::launch(quiet(2, fl::StartMethod::kForkServer), "print_context", {});
+  testing::internal::GetCapturedStdout();
+  testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(again.success());
+  EXPECT_NE(forkguard::launch::detail::ForkServer::get()->pid(), zygote);
+  // The new fork server's socket replaces the old one's (TearDown compares the fds).
+  std::replace(fds_before_.begin(), fds_before_.end(), old_socket,
+               forkguard::launch::detail::ForkServer::get()->fd());
+  std::sort(fds_before_.begin(), fds_before_.end());
 }
 
 TEST_F(Launcher, EveryStartMethodRunsEntriesWithTheirContext) {
