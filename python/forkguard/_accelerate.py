@@ -186,6 +186,7 @@ class _Rendezvous:
         from torch.distributed.launcher.api import _get_addr_and_port
 
         self.num_nodes = num_nodes
+        self.node_rank = node_rank
         self.run_id = run_id
         self.store = None
         # What accelerate hands torch's elastic launch, and torch's checks of it, in its order.
@@ -237,6 +238,13 @@ class _Rendezvous:
             self.store.set(prefix + "/done", "1")
         self.store.wait([prefix + "/done"],
                         datetime.timedelta(seconds=_EXIT_BARRIER_TIMEOUT))
+        # Node 0 hosts the store: it stays until every node's wait has returned (a node still
+        # waiting when the store went got "Broken pipe").
+        left = self.store.add(prefix + "/left", 1)
+        deadline = time.monotonic() + _EXIT_BARRIER_TIMEOUT
+        while self.node_rank == 0 and left < self.num_nodes and time.monotonic() < deadline:
+            time.sleep(0.01)
+            left = self.store.add(prefix + "/left", 0)
 
     def close(self):
         self.store = None  # a TCPStore server stops with its last reference

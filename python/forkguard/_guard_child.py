@@ -1,6 +1,6 @@
 # The fork server's side of forkguard.guard()'s "guard_start" request (see _guard_reroute.py for
-# the parent's side). Loaded by _server.py by path, never imported by the caller, and it imports
-# nothing of forkguard: the fork server stays a plain, CUDA-clean interpreter.
+# the parent's side). Loaded by _server.py by path, never imported by the caller; the server
+# starts the child through the native layer (its _start_child), and stays CUDA-clean.
 #
 #   caller -> server  guard_start NAME
 #                     + fds [payload, sentinel_w, parent_alive_r, stdout, stderr, tracker_w,
@@ -20,7 +20,6 @@
 # caller's Process.sentinel turns readable then, as for a fork.
 # It stays in the caller's process group (Ctrl-C reaches it as it reaches a forked child) and
 # dies with the fork server (PR_SET_PDEATHSIG), which exits when the caller does.
-import ctypes
 import mmap
 import os
 import pickle
@@ -40,40 +39,30 @@ import multiprocessing.synchronize  # noqa: F401
 from multiprocessing import process, resource_tracker, spawn
 
 
-def start(fds, close_in_child):
-    """Forks the child; the reply for the caller. ``close_in_child``: the server's own fds."""
+def start(fds, close_in_child, start_child):
+    """Starts the child with the server's start_child (the native layer's, in the caller's process
+    group); its handle, or why it could not start. ``close_in_child``: the server's own fds."""
+    payload_fd, sentinel_w, parent_alive_r, out_fd, err_fd, *rest = fds
+    kept = [payload_fd, sentinel_w, parent_alive_r, *rest]
     try:
-        pid = os.fork()
-    except OSError as e:
-        for f in fds:
+        return start_child(lambda: _child_main(kept), out_fd, err_fd, close_in_child,
+                           new_group=False, name="a rerouted Process")
+    finally:
+        for f in kept:
             os.close(f)
-        return ["error", f"fork: {e}"]
-    if pid == 0:
-        for f in close_in_child:
-            os.close(f)
-        _child_main(fds)
-    for f in fds:
-        os.close(f)
-    return ["guard_started", pid]
 
 
 def _child_main(fds):
     """Runs in the forked child; never returns."""
     code = 1
     try:
-        payload_fd, sentinel_w, parent_alive_r, out_fd, err_fd, tracker_w, *inherited = fds
-        try:
-            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the server
-        except Exception:  # noqa: BLE001 - best effort: the server also kills it when it exits
-            pass
+        # start_child made it die with the server (PR_SET_PDEATHSIG) and put its stdout and
+        # stderr on the caller's.
+        payload_fd, sentinel_w, parent_alive_r, tracker_w, *inherited = fds
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        os.dup2(out_fd, 1)
-        os.dup2(err_fd, 2)
-        os.close(out_fd)
-        os.close(err_fd)
         os.set_inheritable(sentinel_w, False)
         resource_tracker._resource_tracker._fd = tracker_w
         with os.fdopen(payload_fd, "rb") as f:

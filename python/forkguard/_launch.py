@@ -107,7 +107,7 @@ class _Server:
         try:
             return self.link.exchange(list(fields), list(fds), timeout)
         except Error as e:
-            if self.alive() and "closed its socket" not in str(e):
+            if self.alive() and f"the fork server (PID {self.pid}) ended" not in str(e):
                 raise
             raise Error(f"notebook_launch: the fork server (PID {self.pid}) exited "
                         f"(status {self.proc.wait()})") from None

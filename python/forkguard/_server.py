@@ -30,7 +30,12 @@
 #   caller -> server  guard_start NAME + fds  ->  guard_started PID | error MESSAGE, then exit PID
 # EOF on FD (the caller exited or closed it): every rank's group is killed, the server exits.
 #
-# A rank: its own session (so the group can be killed with whatever it started), the environment
+# Every child is started by the native layer (_native.start_python_child: launch/child.cpp's
+# start_child, forkguard's one fork site) and held by its handle, which reaps it: it dies with
+# the server (PR_SET_PDEATHSIG), its stop signals are at their defaults. A DataLoader worker and a
+# rerouted Process stay in the caller's process group (as forked ones would).
+#
+# A rank: its own process group (killed as a group when the server exits), the environment
 # the supervisor built (the same as a command rank's), the caller's working directory and
 # sys.path, stdout/stderr on the supervisor's pipes, the function loaded with cloudpickle from the
 # memfd; its outcome replaces the payload in the memfd: RESULT_MAGIC, the u64 length, then the
@@ -89,6 +94,7 @@ def _preload(modules):
         try:
             __import__(name)
             done.append(name)
+            _preloaded.add(name)
         except BaseException as e:  # noqa: BLE001 - reported to the caller, never swallowed
             errors[name] = f"{type(e).__name__}: {e}"
         finally:
@@ -100,6 +106,7 @@ def _preload(modules):
 
 
 _guard_module = None
+_preloaded = set()  # what _preload imported
 _held_fds = []  # hold_fds: inherited by the ranks of the launch in progress, closed elsewhere
 _dataloader_fds = {}  # dataloader_hold: KEY -> fds, inherited by that loader's workers only
 
@@ -136,32 +143,49 @@ def _write_outcome(fd, outcome):
     os.pwrite(fd, _HEADER.pack(RESULT_MAGIC, length), 0)
 
 
-def _child_setup(out_fd, err_fd):
-    """A forked child's first steps: it dies with the server, the server's signal handling is
-    undone, stdout and stderr are the caller's."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the server
-    except Exception:  # noqa: BLE001 - best effort; the server also kills on its own exit
-        pass
+def _child_setup():
+    """A child's first steps in Python. The native layer's set-up (start_child) already made it
+    die with the server (PR_SET_PDEATHSIG), put the stop signals back to their defaults with none
+    blocked and its stdout and stderr on the caller's; here the server's Python handlers go."""
     for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
     signal.set_wakeup_fd(-1)
-    signal.pthread_sigmask(signal.SIG_SETMASK, [])
-    os.dup2(out_fd, 1)
-    os.dup2(err_fd, 2)
-    os.close(out_fd)
-    os.close(err_fd)
 
 
-def _rank_main(fields, fds):
+_native = None
+
+
+def _start_child(fn, out_fd, err_fd, close, **options):
+    """fn() in a child of this server, started by the native layer (start_child: forkguard's one
+    fork site, its set-up, a handle on the child's pidfd) with stdout and stderr on out_fd and
+    err_fd, which are closed here either way. The child closes `close` (what it must not hold);
+    it keeps every other fd, as a fork does. Its ChildProcess, or why it could not start."""
+    global _native
+
+    def child():
+        os.close(out_fd)  # its stdout and stderr now (start_child's plan): not twice
+        os.close(err_fd)
+        return fn()
+
+    try:
+        if _native is None:
+            from forkguard import _native as native  # the package skips its start-up here
+
+            _native = native
+        return _native.start_python_child(child, stdout_fd=out_fd, stderr_fd=err_fd,
+                                          close_fds=list(close), **options)
+    except Exception as e:  # noqa: BLE001 - the caller's reply says why
+        return f"{type(e).__name__}: {e}"
+    finally:
+        os.close(out_fd)
+        os.close(err_fd)
+
+
+def _rank_main(fields, memfd):
     """Runs in the forked rank; never returns."""
-    out_fd, err_fd, memfd = fds
     code = 1
     try:
-        os.setsid()
-        _child_setup(out_fd, err_fd)
+        _child_setup()
         sys.stdout.reconfigure(line_buffering=True)
         sys.stderr.reconfigure(line_buffering=True)
         nargs = int(fields[8])
@@ -171,7 +195,7 @@ def _rank_main(fields, fds):
         os.environ.update(env)
         os.chdir(cwd)
         sys.path[:] = path
-        fg = sys.modules.get("forkguard")
+        fg = sys.modules.get("forkguard") if "forkguard" in _preloaded else None
         if fg is not None and not os.environ.get("FORKGUARD_NO_FORK_SERVER"):
             # forkguard was preloaded (without its C++ fork server: see _preload), so the rank's
             # `import forkguard` does nothing. What that import does, now, while the rank is
@@ -241,25 +265,23 @@ def _multiprocessing_exit():
 
 
 def _start_dataloader_worker(fds, close):
-    """Forks a forkguard.DataLoader worker (_dataloader.py) on the loader's socket, the third fd;
-    its PID, or why it could not. The worker inherits every loader's held fds (dataloader_hold):
-    its setup names its own, and it closes the others'."""
+    """A forkguard.DataLoader worker (_dataloader.py) on the loader's socket, the third fd, in
+    the caller's process group (as a forked worker is); its handle, or why it could not start.
+    The worker inherits every loader's held fds (dataloader_hold): its setup names its own, and
+    it closes the others'."""
     out_fd, err_fd, job_fd = fds
     try:
-        pid = os.fork()
-    except OSError as e:
-        for f in fds:
-            os.close(f)
-        return f"fork: {e}"
-    if pid != 0:
-        for f in fds:
-            os.close(f)
-        return pid
+        return _start_child(lambda: _dataloader_worker_main(job_fd), out_fd, err_fd, close,
+                            new_group=False, name="a DataLoader worker")
+    finally:
+        os.close(job_fd)
+
+
+def _dataloader_worker_main(job_fd):
+    """Runs in the DataLoader worker; never returns."""
     code = 1
     try:
-        for f in close:
-            os.close(f)
-        _child_setup(out_fd, err_fd)
+        _child_setup()
         os.environ["FORKGUARD_NO_FORK_SERVER"] = "1"  # the package's import starts none here
         from forkguard import _dataloader_worker
 
@@ -303,8 +325,7 @@ def main():
 
     done, errors = _preload(preload)
     send(sock, ["ready", os.getpid(), json.dumps(done), json.dumps(errors)])
-    ranks = set()
-    guard_pids = set()  # forkguard.guard()'s children: in the caller's group, not their own
+    children = {}  # PID -> ChildProcess: the ranks, DataLoader workers and rerouted Processes
     poller = select.poll()
     poller.register(sock, select.POLLIN)
     poller.register(wake_r, select.POLLIN)
@@ -323,43 +344,31 @@ def main():
                     return
                 fields = decode(data)
                 op = fields[0] if fields else ""
+                # What a child must not hold: this server's own fds, and its siblings' pidfds.
+                own = (sock.fileno(), wake_r, wake_w, *(c.pidfd for c in children.values()))
+                child = None
                 if op == "entry" and fields[1] == "notebook" and len(fds) == 3 and \
                         len(fields) >= 11 and int(fields[8]) == 2:
-                    try:
-                        pid = os.fork()
-                    except OSError as e:
-                        for f in fds:
-                            os.close(f)
-                        send(sock, ["error", f"fork: {e}"])
-                        continue
-                    if pid == 0:
-                        sock.close()
-                        os.close(wake_r)
-                        os.close(wake_w)
-                        for f in _dataloader_held():
-                            os.close(f)
-                        _rank_main(fields, fds)
-                    for f in fds:
-                        os.close(f)
-                    ranks.add(pid)
-                    send(sock, ["started", pid])
+                    # A rank: its own process group. Not under a reaper as a rank of the C++
+                    # fork server is (what it started would end with it): the reaper is another
+                    # fork of this interpreter, 22 ms a rank with torch 2.14 preloaded.
+                    out_fd, err_fd, memfd = fds
+                    child = _start_child(lambda: _rank_main(fields, memfd), out_fd, err_fd,
+                                         (*own, *_dataloader_held()), name="a notebook rank")
+                    os.close(memfd)
                 elif op == "call" and len(fields) == 2 and len(fds) == 3 and \
                         fields[1] == "forkguard.dataloader_worker":
-                    pid = _start_dataloader_worker(fds, (sock.fileno(), wake_r, wake_w,
-                                                         *_held_fds))
-                    if isinstance(pid, str):
-                        send(sock, ["error", pid])
-                        continue
-                    ranks.add(pid)
-                    guard_pids.add(pid)  # in the caller's group: killed by PID, not by group
-                    send(sock, ["started", pid])
+                    child = _start_dataloader_worker(fds, (*own, *_held_fds))
                 elif op == "guard_start":  # forkguard.guard(): see _guard_child.py
-                    reply = _guard_child().start(fds, (sock.fileno(), wake_r, wake_w,
-                                                       *_held_fds, *_dataloader_held()))
-                    if reply[0] == "guard_started":
-                        ranks.add(reply[1])
-                        guard_pids.add(reply[1])
-                    send(sock, reply)
+                    child = _guard_child().start(fds, (*own, *_held_fds, *_dataloader_held()),
+                                                 _start_child)
+                if child is not None:
+                    if isinstance(child, str):
+                        send(sock, ["error", child])
+                    else:
+                        children[child.pid] = child
+                        send(sock, ["guard_started" if op == "guard_start" else "started",
+                                    child.pid])
                 elif op == "hold_fds":
                     _release_held()
                     _held_fds.extend(fds)
@@ -386,30 +395,22 @@ def main():
                     send(sock, ["error", f"the Python fork server cannot start {what or 'that'}"
                                          " (it starts notebook_launch ranks only)"])
             # Reap after every wake-up: SIGCHLD only says "at least one".
-            while ranks:
-                try:
-                    pid, status = os.waitpid(-1, os.WNOHANG)
-                except ChildProcessError:
-                    break
-                if pid == 0:
-                    break
-                ranks.discard(pid)
-                guard_pids.discard(pid)
+            for pid, child in list(children.items()):
+                status = child.wait_status
+                if status is None:
+                    continue
+                del children[pid]
                 try:
                     send(sock, ["exit", pid, status])
                 except OSError:
                     return
     finally:
-        for pid in ranks:
-            try:
-                (os.kill if pid in guard_pids else os.killpg)(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for pid in list(ranks):
-            try:
-                os.waitpid(pid, 0)
-            except ChildProcessError:
-                pass
+        # Ranks by their group (what they started in it goes too; their reapers take the rest),
+        # DataLoader workers and rerouted Processes (in the caller's group) by their pidfd.
+        for child in children.values():
+            child.kill()
+        for child in children.values():
+            child.wait()
 
 
 if __name__ == "__main__":

@@ -1,22 +1,39 @@
-// forkguard._native.start_process: a program the Python package runs (the interpreter fork
-// server, python/forkguard/_server.py) started by the one process layer (launch/child.hpp), held
-// by its Child handle: a pidfd, never a bare PID that could be reused.
+// Processes the Python package starts, started by the one process layer (launch/child.hpp) and
+// held by their Child handle: a pidfd, never a bare PID that could be reused.
 //
 //   p = _native.start_process([sys.executable, script, "3"], pass_fds=[sock.fileno()])
+//   c = _native.start_python_child(fn, stdout_fd=out, stderr_fd=err, close_fds=[sock],
+//                                  reap_tree=True)   # fn() runs in a fork of this interpreter
 //   p.pid; p.poll()  # None while it runs, else the return code (-9: killed by SIGKILL)
 //   p.wait(timeout=10.0)  # the return code, or None after `timeout` seconds
-//   p.kill()
+//   c.wait_status  # the raw wait status once reaped (os.waitpid's), else None
+//   p.kill(); c.signal(signal.SIGTERM)
 //
-// Its stdin is /dev/null; stdout and stderr are this process's; `pass_fds` keep their numbers,
-// every other fd is closed. It stays in this process's group and has no parent-death signal: it
-// ends when its socket says so, as a subprocess.Popen would.
+// start_process: stdin /dev/null, stdout and stderr this process's, `pass_fds` at their numbers,
+// every other fd closed; it stays in this process's group with no parent-death signal (it ends
+// when its socket says so, as a subprocess.Popen would).
 //
-// Thread-safety: one Process per owner; wait() releases the GIL.
+// start_python_child: os.fork's meaning (the child keeps every fd but `close_fds`, CPython's fork
+// hooks run around it) with start_child's set-up: the parent-death signal (SIGKILL), its own
+// process group (unless `new_group` is false), the stop signals at their defaults and none blocked,
+// stdout/stderr where asked; with `reap_tree` under a reaper that takes every descendant with it
+// when it ends or when this process dies, as a rank of the C++ fork server. fn()'s result is the
+// exit code (an exception: its traceback on stderr, exit code 1); fn may leave by os._exit itself.
+// Python's own SIGPIPE rule (ignored) holds in the child as in any interpreter.
+//
+// A handle copied into a forked child (a fork of its owner) does nothing there: its process is
+// the owner's to signal and reap.
+//
+// Thread-safety: one handle per owner; wait() releases the GIL. start_python_child must be
+// called by a thread holding the GIL, like os.fork.
+#include <Python.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <optional>
@@ -38,82 +55,144 @@ int returncode(const fl::ExitStatus& s) {
   return s.kind == fl::ExitStatus::Kind::kSignaled ? -s.signal : s.code;
 }
 
-class Process {
+// os.waitpid's status word for an exit status.
+int wait_status(const fl::ExitStatus& s) {
+  if (s.kind == fl::ExitStatus::Kind::kSignaled)
+    return (s.signal & 0x7f) | (s.core_dumped ? 0x80 : 0);
+  return (s.code & 0xff) << 8;
+}
+
+class ChildProcess {
  public:
-  Process(const std::vector<std::string>& argv, const std::vector<int>& pass_fds,
-          std::optional<std::string> name) {
-    if (argv.empty()) throw py::value_error("start_process: argv is empty");
-    exec_ = fl::detail::prepare_exec(argv, fl::current_environment());
-    null_ = forkguard::detail::UniqueFd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
-    if (!null_) throw forkguard::SystemError("open /dev/null", errno);
-    std::vector<fl::detail::FdMapping> keep;
-    for (int fd : pass_fds) keep.push_back({fd, fd, false});
-    name_ = name.value_or("");
-    py::gil_scoped_release nogil;
-    child_ = fl::detail::start_child({.exec = &exec_,
-                                      .stdin_fd = null_.get(),
-                                      .keep_fds = keep,
-                                      .group = fl::detail::ProcessGroup::kInherit,
-                                      .parent_death_signal = 0,
-                                      .stop = {.signal = SIGTERM,
-                                               .grace = std::chrono::seconds(10),
-                                               .kill_wait = std::chrono::seconds(30)},
-                                      .what = name_.empty() ? argv[0] : name_});
-    pid_ = child_.pid();
-    null_.reset();
+  explicit ChildProcess(fl::detail::Child child)
+      : child_(std::move(child)), pid_(child_.pid()), owner_(::getpid()) {}
+  ChildProcess(const ChildProcess&) = delete;
+  ChildProcess& operator=(const ChildProcess&) = delete;
+  ~ChildProcess() {
+    if (!mine()) child_.release();  // a fork's copy: not its process
   }
 
   int pid() const { return pid_; }
+  int pidfd() const { return mine() ? child_.pidfd() : -1; }
 
   std::optional<int> poll() {
-    if (auto s = child_.try_wait()) return returncode(*s);
+    if (auto s = try_wait()) return returncode(*s);
+    return std::nullopt;
+  }
+
+  std::optional<int> status() {
+    if (auto s = try_wait()) return wait_status(*s);
     return std::nullopt;
   }
 
   std::optional<int> wait(std::optional<double> timeout) {
-    if (auto s = child_.try_wait()) return returncode(*s);
+    if (auto s = try_wait()) return returncode(*s);
+    if (!mine()) return std::nullopt;
     {
       py::gil_scoped_release nogil;
       pollfd p{child_.pidfd(), POLLIN, 0};
       const auto deadline =
-          timeout ? std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(*timeout))
-                  : std::chrono::steady_clock::time_point::max();
+          timeout ? std::optional(std::chrono::steady_clock::now() +
+                                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                      std::chrono::duration<double>(*timeout)))
+                  : std::nullopt;
       while (child_.running() && p.fd >= 0) {
-        const int ms = timeout ? forkguard::detail::poll_ms(deadline) : -1;
-        const int r = ::poll(&p, 1, ms);
+        const int r = ::poll(&p, 1, forkguard::detail::poll_ms(deadline));
         if (r > 0 || (r == 0 && timeout)) break;
       }
     }
-    if (auto s = child_.try_wait()) return returncode(*s);
+    if (auto s = try_wait()) return returncode(*s);
     return std::nullopt;
   }
 
-  void kill() { child_.signal(SIGKILL); }
+  void signal(int sig) {
+    if (mine()) child_.signal(sig);
+  }
 
  private:
-  fl::detail::PreparedExec exec_;
-  forkguard::detail::UniqueFd null_;
-  std::string name_;
+  bool mine() const { return owner_ == ::getpid(); }
+  std::optional<fl::ExitStatus> try_wait() { return mine() ? child_.try_wait() : std::nullopt; }
+
   fl::detail::Child child_;
-  int pid_ = -1;
+  int pid_;
+  pid_t owner_;
 };
+
+std::unique_ptr<ChildProcess> start_process(const std::vector<std::string>& argv,
+                                            const std::vector<int>& pass_fds,
+                                            std::optional<std::string> name) {
+  if (argv.empty()) throw py::value_error("start_process: argv is empty");
+  auto exec = fl::detail::prepare_exec(argv, fl::current_environment());
+  forkguard::detail::UniqueFd null(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  if (!null) throw forkguard::SystemError("open /dev/null", errno);
+  std::vector<fl::detail::FdMapping> keep;
+  for (int fd : pass_fds) keep.push_back({fd, fd, false});
+  py::gil_scoped_release nogil;
+  return std::make_unique<ChildProcess>(
+      fl::detail::start_child({.exec = &exec,
+                               .stdin_fd = null.get(),
+                               .keep_fds = keep,
+                               .group = fl::detail::ProcessGroup::kInherit,
+                               .parent_death_signal = 0,
+                               .stop = {.signal = SIGTERM,
+                                        .grace = std::chrono::seconds(10),
+                                        .kill_wait = std::chrono::seconds(30)},
+                               .what = name.value_or(argv[0])}));
+}
+
+std::unique_ptr<ChildProcess> start_python_child(py::function fn, int stdout_fd, int stderr_fd,
+                                                 const std::vector<int>& close_fds, bool new_group,
+                                                 bool reap_tree, std::optional<std::string> name) {
+  PyOS_BeforeFork();
+  fl::detail::Child child;
+  try {
+    child = fl::detail::start_child(
+        {.main = [&fn]() -> int {
+           PyOS_AfterFork_Child();
+           ::signal(SIGPIPE, SIG_IGN);  // Python's own rule, which the set-up reset
+           try {
+             py::object r = fn();
+             return r.is_none() ? 0 : r.cast<int>();
+           } catch (py::error_already_set& e) {
+             e.restore();
+             PyErr_Print();
+             return 1;
+           } catch (const std::exception& e) {
+             PySys_WriteStderr("%s\n", e.what());
+             return 1;
+           }
+         },
+         .stdout_fd = stdout_fd,
+         .stderr_fd = stderr_fd,
+         .close_other_fds = false,
+         .close_fds = close_fds,
+         .group = new_group ? fl::detail::ProcessGroup::kNew : fl::detail::ProcessGroup::kInherit,
+         .reap_tree = reap_tree,
+         .stop = {.signal = SIGKILL},
+         .what = name.value_or("a child of the interpreter")});
+  } catch (...) {
+    PyOS_AfterFork_Parent();
+    throw;
+  }
+  PyOS_AfterFork_Parent();
+  return std::make_unique<ChildProcess>(std::move(child));
+}
 
 }  // namespace
 
 void bind_process(py::module_& m) {
-  py::class_<Process>(m, "Process")
-      .def_property_readonly("pid", &Process::pid)
-      .def("poll", &Process::poll)
-      .def("wait", &Process::wait, py::arg("timeout") = py::none())
-      .def("kill", &Process::kill);
-  m.def(
-      "start_process",
-      [](const std::vector<std::string>& argv, const std::vector<int>& pass_fds,
-         std::optional<std::string> name) {
-        return std::make_unique<Process>(argv, pass_fds, std::move(name));
-      },
-      py::arg("argv"), py::kw_only(), py::arg("pass_fds") = std::vector<int>{},
-      py::arg("name") = py::none());
+  py::class_<ChildProcess>(m, "ChildProcess")
+      .def_property_readonly("pid", &ChildProcess::pid)
+      .def_property_readonly("pidfd", &ChildProcess::pidfd)
+      .def("poll", &ChildProcess::poll)
+      .def_property_readonly("wait_status", &ChildProcess::status)
+      .def("wait", &ChildProcess::wait, py::arg("timeout") = py::none())
+      .def("signal", &ChildProcess::signal, py::arg("sig"))
+      .def("kill", [](ChildProcess& p) { p.signal(SIGKILL); });
+  m.def("start_process", &start_process, py::arg("argv"), py::kw_only(),
+        py::arg("pass_fds") = std::vector<int>{}, py::arg("name") = py::none());
+  m.def("start_python_child", &start_python_child, py::arg("fn"), py::kw_only(),
+        py::arg("stdout_fd") = -1, py::arg("stderr_fd") = -1,
+        py::arg("close_fds") = std::vector<int>{}, py::arg("new_group") = true,
+        py::arg("reap_tree") = false, py::arg("name") = py::none());
 }

@@ -267,7 +267,7 @@ std::shared_ptr<ForkServer> ForkServer::attach(pid_t pid, int sock) {
 }
 
 std::string ForkServer::replace_dead_zygote() {
-  if (attached_) throw SpawnError(fmt::format("the fork server (PID {}) closed its socket", pid_));
+  if (attached_) throw SpawnError(ended());
   // Its socket is closed: it has exited, or is about to. Reap it (SIGKILL in case it lingers).
   int status = 0;
   pid_t r = ::waitpid(pid_, &status, WNOHANG | __WALL);
@@ -331,9 +331,7 @@ std::optional<std::vector<std::string>> ForkServer::exchange(
   const auto deadline =
       timeout ? std::optional(std::chrono::steady_clock::now() + *timeout) : std::nullopt;
   std::lock_guard lock(mutex_);  // the reply is this request's: no other request in between
-  const auto closed = [&] {
-    return SpawnError(fmt::format("the fork server (PID {}) closed its socket", pid_));
-  };
+  const auto closed = [&] { return SpawnError(ended()); };
   have_reply_ = false;
   if (!fields.empty() &&
       !send_message(sock_.get(), fields, fds.data(), static_cast<int>(fds.size()))) {
@@ -424,7 +422,7 @@ pid_t ForkServer::request(const std::vector<std::string>& fields, int stdout_fd,
     while (alive && !have_reply_) alive = read_one(true);
     if (alive) break;
     if (attempt > 0) {
-      throw SpawnError(fmt::format("the fork server (PID {}) closed its socket", pid_));
+      throw SpawnError(ended());
     }
     replace_dead_zygote();
   }

@@ -74,7 +74,7 @@ class ForkServer {
   // kMaxSendFds fds) and the fields of the next message that is not an exit report (those are
   // queued meanwhile); nullopt when none came within `timeout` (none: as long as it takes). An
   // empty `fields` sends nothing and only waits (the server's "ready"). Throws SpawnError once
-  // the server closed its socket.
+  // the server closed its socket, saying how it ended (ended()).
   std::optional<std::vector<std::string>> exchange(
       const std::vector<std::string>& fields, const std::vector<int>& fds,
       std::optional<std::chrono::milliseconds> timeout);
