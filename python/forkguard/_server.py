@@ -25,9 +25,10 @@
 #                     finds them where a forkserver child does; the spec names KEY)
 #   caller -> server  dataloader_release KEY  ->  released
 #   caller -> server  call forkguard.dataloader_worker + fds [stdout, stderr, socket]
-#                     ->  started PID | error MESSAGE, then exit PID
+#                     ->  started PID + its pidfd | error MESSAGE, then exit PID
 # and from forkguard.guard() (_guard_child.py, _guard_reroute.py):
-#   caller -> server  guard_start NAME + fds  ->  guard_started PID | error MESSAGE, then exit PID
+#   caller -> server  guard_start NAME + fds  ->  guard_started PID + its pidfd | error MESSAGE,
+#                     then exit PID
 # EOF on FD (the caller exited or closed it): every rank's group is killed, the server exits.
 #
 # A rank: its own session (so the group can be killed with whatever it started), the environment
@@ -77,6 +78,21 @@ def send(sock, fields, fds=()):
         socket.send_fds(sock, [encode(fields)], list(fds))
     else:
         sock.sendmsg([encode(fields)])
+
+
+def send_started(sock, fields, pid):
+    """The reply that a child was started, with its pidfd: opened here, where it is a child not
+    yet reaped (this loop reaps only after the reply is sent), it names that process for good, so
+    the caller signals it by the pidfd and never a later process that has its PID."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:  # (out of fds) the caller refuses a child it has no handle for
+        send(sock, fields)
+        return
+    try:
+        send(sock, fields, [pidfd])
+    finally:
+        os.close(pidfd)
 
 
 def _preload(modules):
@@ -352,14 +368,16 @@ def main():
                         continue
                     ranks.add(pid)
                     guard_pids.add(pid)  # in the caller's group: killed by PID, not by group
-                    send(sock, ["started", pid])
+                    send_started(sock, ["started", pid], pid)
                 elif op == "guard_start":  # forkguard.guard(): see _guard_child.py
                     reply = _guard_child().start(fds, (sock.fileno(), wake_r, wake_w,
                                                        *_held_fds, *_dataloader_held()))
                     if reply[0] == "guard_started":
                         ranks.add(reply[1])
                         guard_pids.add(reply[1])
-                    send(sock, reply)
+                        send_started(sock, reply, reply[1])
+                    else:
+                        send(sock, reply)
                 elif op == "hold_fds":
                     _release_held()
                     _held_fds.extend(fds)
