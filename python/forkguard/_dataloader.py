@@ -537,11 +537,9 @@ class _WorkerProcess:
         self._signal(signal.SIGKILL)
 
     def _signal(self, sig):
-        if self.is_alive():
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
+        # Through the worker's handle in the queue (a pidfd): once it has exited this sends
+        # nothing, even when its PID is another process's by then.
+        self._queue.signal(worker=self._worker, sig=sig)
 
 
 class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):

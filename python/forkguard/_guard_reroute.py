@@ -247,6 +247,7 @@ class ReroutedPopen:
         util._flush_std_streams()
         self.returncode: Optional[int] = None
         self.finalizer = None
+        self._child = None  # _native._ServerChild, once started
         self._fds = []
         self._launch(process_obj, dirty)
 
@@ -283,12 +284,16 @@ class ReroutedPopen:
             del parts
             with _launch._lock:
                 server = _server()
-            msg = server.exchange(["guard_start", process_obj.name],
-                                  [memfd, sentinel_w, alive_r, 1, 2, resource_tracker.getfd()]
-                                  + self._fds, 60.0)
-            if msg is None or msg[0] != "guard_started":
+            fds = [memfd, sentinel_w, alive_r, 1, 2, resource_tracker.getfd()] + self._fds
+            try:
+                # Its handle: the pidfd the server opened before it could reap it, so a signal
+                # reaches this child or nothing, never a later process with its PID.
+                self._child = server.start_child(["guard_start", process_obj.name], fds, 60.0)
+            except Error as e:
+                if not server.alive():
+                    raise
                 raise Error(f"forkguard.guard(): the fork server could not start "
-                            f"{process_obj.name}: {msg[1] if msg else 'no answer'}")
+                            f"{process_obj.name}: {e}") from None
         except BaseException:
             os.close(sentinel_r)
             os.close(alive_w)
@@ -296,7 +301,7 @@ class ReroutedPopen:
         finally:
             for f in (memfd, sentinel_w, alive_r):
                 os.close(f)
-        self.pid = int(msg[1])
+        self.pid = self._child.pid
         self.sentinel = sentinel_r
         self.finalizer = util.Finalize(self, util.close_fds, (sentinel_r, alive_w))
 
@@ -358,10 +363,7 @@ class ReroutedPopen:
 
     def _send_signal(self, sig):
         if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
+            self._child.signal(sig)  # by its pidfd: nothing once it has exited
 
     def terminate(self):
         self._send_signal(signal.SIGTERM)

@@ -104,8 +104,17 @@ class _Server:
                  timeout: Optional[float] = None):
         """Sends a request (none when `fields` is empty) and returns its reply's fields, or None
         when none came within `timeout` seconds."""
+        return self._ask(self.link.exchange, fields, fds, timeout)
+
+    def start_child(self, fields: Sequence[str], fds: Sequence[int] = (),
+                    timeout: Optional[float] = None):
+        """Sends a start request (guard_start); the child's handle (_native._ServerChild: the
+        pidfd this server opened before it could reap it). An Error says why not."""
+        return self._ask(self.link.start_child, fields, fds, timeout)
+
+    def _ask(self, method, fields, fds, timeout):
         try:
-            return self.link.exchange(list(fields), list(fds), timeout)
+            return method(list(fields), list(fds), timeout)
         except Error as e:
             if self.alive() and f"the fork server (PID {self.pid}) ended" not in str(e):
                 raise
@@ -247,25 +256,24 @@ def notebook_launch(fn: Callable[..., Any], args: Sequence[Any] = (), nproc: int
             _exchange(server, ["hold_fds"], fds, "held")
         try:
             done = _supervise_notebook(
-                server_pid=server.pid, server_sock=server.fd(), payload=payload,
-                nproc=nproc, args=[cwd, json.dumps(path)], bind_gpus=bind_gpus,
+                server_pid=server.pid, server_sock=server.fd(), payload=payload, nproc=nproc,
+                args=[cwd, json.dumps(path)], grace=float(grace), bind_gpus=bind_gpus,
                 max_restarts=max_restarts, master_addr=master_addr, master_port=master_port,
-                env=dict(env or {}), grace=float(grace),
-                timeout=None if timeout is None else float(timeout), nnodes=nnodes,
-                node_rank=node_rank)
+                env=dict(env or {}), timeout=None if timeout is None else float(timeout),
+                nnodes=nnodes, node_rank=node_rank)
         finally:
             if fds and server.alive():
                 _exchange(server, ["release_fds"], [], "released")
-    result = json.loads(done["json"])
+    result = json.loads(done.json)
     try:
-        outcomes = [_outcome(r, fd) for r, fd in enumerate(done["memfds"])]
+        outcomes = [_outcome(r, fd) for r, fd in enumerate(done.memfds)]
     finally:
-        for fd in done["memfds"]:
+        for fd in done.memfds:
             if fd >= 0:
                 os.close(fd)
     truncated = [r for r, o in enumerate(outcomes) if o and o[1] == "TruncatedResult"]
     if not result["success"] or truncated:
-        raise _rank_error(result, done["report"], outcomes, truncated, timeout)
+        raise _rank_error(result, done.report, outcomes, truncated, timeout)
     return [o[1] if o and o[0] == "ok" else None for o in outcomes]
 
 

@@ -23,12 +23,29 @@ class LoaderTimeoutError(Error):
 class ProbeError(Error):
     """No such process, or not allowed to inspect it."""
 
-def _supervise_notebook(server_pid: int, server_sock: int, payload: bytes, nproc: int,
-                        args: List[str], bind_gpus: bool, max_restarts: int, master_addr: str,
-                        master_port: Optional[int], env: Dict[str, str], grace: float,
-                        timeout: Optional[float], nnodes: int = ...,
-                        node_rank: int = ...) -> Dict[str, Any]:
-    """notebook_launch's ranks under the C++ supervisor: {"json", "report", "memfds"}."""
+class _ServerChild:
+    """A child of the interpreter fork server (a rerouted Process), held by the pidfd the server
+    opened before it could reap it."""
+
+    @property
+    def pid(self) -> int: ...
+    def signal(self, sig: int) -> bool:
+        """Sends sig unless it has exited (then nothing, whichever process has its PID now)."""
+    def exited(self) -> bool: ...
+    def close(self) -> None: ...
+
+class _NotebookResult:
+    json: str  # the result as `forkguard run --json-report` writes it
+    report: str  # the launcher's report
+    memfds: List[int]  # each rank's outcome by local rank (-1: none); the caller closes them
+
+def _supervise_notebook(*, server_pid: int, server_sock: int, payload: bytes, nproc: int,
+                        args: List[str], grace: float, bind_gpus: bool = ...,
+                        max_restarts: int = ..., master_addr: str = ...,
+                        master_port: Optional[int] = ..., env: Dict[str, str] = ...,
+                        timeout: Optional[float] = ..., nnodes: int = ...,
+                        node_rank: int = ...) -> _NotebookResult:
+    """notebook_launch's ranks under the C++ supervisor."""
 
 class _ProbeResult:
     pid: int

@@ -25,9 +25,10 @@
 #                     finds them where a forkserver child does; the spec names KEY)
 #   caller -> server  dataloader_release KEY  ->  released
 #   caller -> server  call forkguard.dataloader_worker + fds [stdout, stderr, socket]
-#                     ->  started PID | error MESSAGE, then exit PID
+#                     ->  started PID + its pidfd | error MESSAGE, then exit PID
 # and from forkguard.guard() (_guard_child.py, _guard_reroute.py):
-#   caller -> server  guard_start NAME + fds  ->  guard_started PID | error MESSAGE, then exit PID
+#   caller -> server  guard_start NAME + fds  ->  guard_started PID + its pidfd | error MESSAGE,
+#                     then exit PID
 # EOF on FD (the caller exited or closed it): every rank's group is killed, the server exits.
 #
 # Every child is started by the native layer (_native.start_python_child: launch/child.cpp's
@@ -365,10 +366,15 @@ def main():
                 if child is not None:
                     if isinstance(child, str):
                         send(sock, ["error", child])
+                    elif op == "entry":
+                        children[child.pid] = child
+                        send(sock, ["started", child.pid])
                     else:
+                        # With its pidfd: the caller signals it by that, never by a PID that a
+                        # later process may have once this loop reaped it.
                         children[child.pid] = child
                         send(sock, ["guard_started" if op == "guard_start" else "started",
-                                    child.pid])
+                                    child.pid], [child.pidfd])
                 elif op == "hold_fds":
                     _release_held()
                     _held_fds.extend(fds)

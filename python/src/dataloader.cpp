@@ -302,6 +302,10 @@ void bind_dataloader(py::module_& m) {
       .def("reactivate", [](Queue& s) { s.q->reactivate(); })
       .def("pid", [](const Queue& s, int w) { return s.q->pid(w); })
       .def("pids", [](const Queue& s) { return s.q->pids(); })
+      // torch's Process.terminate()/kill() of a worker: through its pidfd, never by PID.
+      .def(
+          "signal", [](Queue& s, int w, int sig) { s.q->signal(w, sig); }, py::kw_only(),
+          py::arg("worker"), py::arg("sig"))
       .def(
           "exit_status",
           [](Queue& s, int w, double timeout) {

@@ -30,9 +30,11 @@
 #include <string_view>
 #include <vector>
 
+#include "detail/decimal.hpp"
 #include "detail/fd.hpp"
 #include "forkguard/error.hpp"
 #include "forkguard/launch/launcher.hpp"
+#include "launch/child.hpp"
 #include "launch/fork_server.hpp"
 #include "launch/supervisor.hpp"
 
@@ -67,12 +69,19 @@ class PythonSink final : public fl::detail::OutputSink {
   }
 };
 
-py::dict supervise_notebook(int server_pid, int server_sock, const py::bytes& payload_bytes,
-                            int nproc, const std::vector<std::string>& args, bool bind_gpus,
-                            int max_restarts, const std::string& master_addr,
-                            std::optional<int> master_port,
-                            const std::map<std::string, std::string>& env, double grace,
-                            std::optional<double> timeout, int nnodes, int node_rank) {
+// What _supervise_notebook gives back (_NotebookResult, read-only attributes).
+struct NotebookResult {
+  std::string json{};         // the result, as `forkguard run --json-report` writes it
+  std::string report{};       // the launcher's report, as `forkguard run` prints it
+  std::vector<int> memfds{};  // each rank's outcome by local rank (-1: none); the caller's to close
+};
+
+NotebookResult supervise_notebook(int server_pid, int server_sock, const py::bytes& payload_bytes,
+                                  int nproc, const std::vector<std::string>& args, double grace,
+                                  bool bind_gpus, int max_restarts, const std::string& master_addr,
+                                  std::optional<int> master_port,
+                                  const std::map<std::string, std::string>& env,
+                                  std::optional<double> timeout, int nnodes, int node_rank) {
   fl::Options o;
   o.nproc = nproc;
   o.start = fl::StartMethod::kForkServer;
@@ -133,12 +142,8 @@ py::dict supervise_notebook(int server_pid, int server_sock, const py::bytes& pa
     interrupt->restore();
     throw py::error_already_set();
   }
-  py::list fds;
-  for (auto& fd : memfds) fds.append(fd ? py::int_(fd.release()) : py::int_(-1));
-  py::dict out;
-  out["json"] = result.to_json();
-  out["report"] = result.report();
-  out["memfds"] = fds;
+  NotebookResult out{.json = result.to_json(), .report = result.report(), .memfds = {}};
+  for (auto& fd : memfds) out.memfds.push_back(fd ? fd.release() : -1);
   return out;
 }
 
@@ -172,6 +177,36 @@ class ServerLink {
     return out;
   }
 
+  // A start request (guard_start) and the child it started: the server's reply is
+  // "started"/"guard_started PID" with the child's pidfd, which the server opened before it could
+  // reap the child (so it is that child's, whatever happens to the PID later), or "error
+  // MESSAGE", raised as an Error with the message; so is no reply within `timeout` seconds.
+  fl::detail::ServerChild start_child(const std::vector<std::string>& fields,
+                                      const std::vector<int>& fds, std::optional<double> timeout) {
+    std::optional<std::chrono::milliseconds> limit;
+    if (timeout) limit = std::chrono::milliseconds(static_cast<long long>(*timeout * 1000));
+    std::optional<std::vector<std::string>> reply;
+    forkguard::detail::UniqueFd pidfd;
+    {
+      py::gil_scoped_release nogil;
+      reply = live().exchange(fields, fds, limit, &pidfd);
+    }
+    if (!reply) {
+      throw fl::SpawnError(py::str("no answer within {:g} s").format(*timeout).cast<std::string>());
+    }
+    const auto& r = *reply;
+    if (r.size() == 2 && r[0] == "error") throw fl::SpawnError(r[1]);
+    const auto pid = r.size() == 2 && (r[0] == "started" || r[0] == "guard_started")
+                         ? forkguard::detail::parse_decimal<pid_t>(r[1])
+                         : std::nullopt;
+    if (!pid || *pid <= 0) {
+      std::string what = "an unexpected reply:";
+      for (const auto& f : r) what += " " + f;
+      throw fl::SpawnError(what);
+    }
+    return fl::detail::ServerChild(*pid, std::move(pidfd));
+  }
+
   std::optional<int> wait_exit(pid_t pid, double timeout) {
     py::gil_scoped_release nogil;
     return live().wait_exit(pid, std::chrono::milliseconds(static_cast<long long>(timeout * 1000)));
@@ -196,12 +231,26 @@ void bind_notebook(py::module_& m) {
       .def("fd", &ServerLink::fd)
       .def("exchange", &ServerLink::exchange, py::arg("fields"),
            py::arg("fds") = std::vector<int>{}, py::arg("timeout") = py::none())
+      .def("start_child", &ServerLink::start_child, py::arg("fields"),
+           py::arg("fds") = std::vector<int>{}, py::arg("timeout") = py::none())
       .def("wait_exit", &ServerLink::wait_exit, py::arg("pid"), py::arg("timeout"))
       .def("close", &ServerLink::close);
-  m.def("_supervise_notebook", &supervise_notebook, py::arg("server_pid"), py::arg("server_sock"),
-        py::arg("payload"), py::arg("nproc"), py::arg("args"), py::arg("bind_gpus"),
-        py::arg("max_restarts"), py::arg("master_addr"), py::arg("master_port"), py::arg("env"),
-        py::arg("grace"), py::arg("timeout"), py::arg("nnodes") = 1, py::arg("node_rank") = 0,
-        "notebook_launch's ranks under the C++ supervisor; returns the result as JSON, the "
-        "report and each rank's memfd (its outcome), by local rank.");
+  py::class_<NotebookResult>(m, "_NotebookResult")
+      .def_readonly("json", &NotebookResult::json)
+      .def_readonly("report", &NotebookResult::report)
+      .def_readonly("memfds", &NotebookResult::memfds);
+  // Keywords only. What the launch needs from its caller has no default (the server, the
+  // payload, the ranks' count, cwd and sys.path, the stop grace: notebook_launch's, not
+  // launch::Options' 30 s); the rest defaults as launch::Options has it (master_addr "": 127.0.0.1;
+  // a single node).
+  const fl::Options defaults;
+  m.def("_supervise_notebook", &supervise_notebook, py::kw_only(), py::arg("server_pid"),
+        py::arg("server_sock"), py::arg("payload"), py::arg("nproc"), py::arg("args"),
+        py::arg("grace"), py::arg("bind_gpus") = defaults.gpus.bind,
+        py::arg("max_restarts") = defaults.max_restarts,
+        py::arg("master_addr") = defaults.nodes.master_addr, py::arg("master_port") = py::none(),
+        py::arg("env") = std::map<std::string, std::string>{}, py::arg("timeout") = py::none(),
+        py::arg("nnodes") = 1, py::arg("node_rank") = 0,
+        "notebook_launch's ranks under the C++ supervisor: a _NotebookResult (the result as "
+        "JSON, the report, each rank's memfd by local rank).");
 }

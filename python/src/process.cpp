@@ -181,6 +181,18 @@ std::unique_ptr<ChildProcess> start_python_child(py::function fn, int stdout_fd,
 }  // namespace
 
 void bind_process(py::module_& m) {
+  // A child of the interpreter fork server (a rerouted Process), held by the pidfd the server
+  // opened before it could reap it: _ServerLink.start_child makes one.
+  py::class_<fl::detail::ServerChild>(m, "_ServerChild")
+      .def_property_readonly("pid", &fl::detail::ServerChild::pid)
+      .def("signal", &fl::detail::ServerChild::signal, py::arg("sig"),
+           "Sends sig unless it has exited (then nothing, whichever process has its PID now); "
+           "whether it was sent.")
+      .def("exited", &fl::detail::ServerChild::exited,
+           "Whether it has exited (it is not reaped: its server does that).")
+      .def(
+          "close", [](fl::detail::ServerChild& c) { c = fl::detail::ServerChild(); },
+          "Lets go of the pidfd; signal() sends nothing afterwards.");
   py::class_<ChildProcess>(m, "ChildProcess")
       .def_property_readonly("pid", &ChildProcess::pid)
       .def_property_readonly("pidfd", &ChildProcess::pidfd)

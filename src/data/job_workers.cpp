@@ -422,6 +422,13 @@ class JobQueue::Impl : public JobSlot {
   }
   pid_t pid(int w) const { return procs_[static_cast<size_t>(w)].pid; }
 
+  void signal(int w, int sig) {
+    if (w < 0 || static_cast<size_t>(w) >= procs_.size()) {
+      throw DataError(fmt::format("there is no worker {} (of {})", w, procs_.size()));
+    }
+    signal(procs_[static_cast<size_t>(w)], sig);
+  }
+
   std::optional<launch::ExitStatus> exit_status(int w, std::chrono::milliseconds timeout) {
     auto& p = procs_[static_cast<size_t>(w)];
     collect(p, timeout);
@@ -433,6 +440,7 @@ class JobQueue::Impl : public JobSlot {
     pid_t pid = -1;
     WorkerSocket sock;
     launch::detail::Child child;               // kFork
+    launch::detail::ServerChild server_child;  // kServer: the pidfd its server opened
     bool alive = false;                        // started, not known to have ended
     bool active = true;                        // takes jobs (not after kEnd)
     std::optional<launch::ExitStatus> status;  // once collected
@@ -478,8 +486,18 @@ class JobQueue::Impl : public JobSlot {
     auto [mine, theirs] = make_worker_sockets();
     auto& p = procs_[static_cast<size_t>(w)];
     if (o_.start == JobStart::kServer) {
-      p.pid = o_.server->start_call(o_.server_function, theirs.get());
+      UniqueFd pidfd;
+      p.pid = o_.server->start_call(o_.server_function, theirs.get(), -1, -1, &pidfd);
       theirs.reset();
+      if (!pidfd) {
+        p.sock = std::move(mine);  // EOF once the queue stops: it exits, its server reaps it
+        p.alive = true;
+        throw launch::SpawnError(
+            fmt::format("the fork server (PID {}) started worker {} (PID {}) without "
+                        "its pidfd: it could not be signalled safely",
+                        o_.server->pid(), w, p.pid));
+      }
+      p.server_child = launch::detail::ServerChild(p.pid, std::move(pidfd));
       if (!send(mine.get(), SetupMessage{.bytes = o_.setup.size(), .worker = w}, setup_fd)) {
         const int e = errno;
         p.sock = std::move(mine);
@@ -676,11 +694,13 @@ class JobQueue::Impl : public JobSlot {
     return r;  // the jobs it held: when it is reported (report_death)
   }
 
-  void kill(Proc& p) {
+  void kill(Proc& p) { signal(p, SIGKILL); }
+  // Through its handle only: a PID may be another process's once its parent reaped it.
+  void signal(Proc& p, int sig) {
     if (p.child) {
-      p.child.signal(SIGKILL);
-    } else if (!p.status && p.pid > 0 && o_.server) {
-      ::kill(p.pid, SIGKILL);  // the server's child, not reaped before the server reports it
+      p.child.signal(sig);
+    } else {
+      p.server_child.signal(sig);
     }
   }
 
@@ -763,6 +783,9 @@ std::vector<pid_t> JobQueue::pids() const {
 }
 pid_t JobQueue::pid(int worker) const {
   return impl_->pid(worker);
+}
+void JobQueue::signal(int worker, int sig) {
+  impl_->signal(worker, sig);
 }
 std::optional<launch::ExitStatus> JobQueue::exit_status(int worker,
                                                         std::chrono::milliseconds timeout) {

@@ -181,6 +181,10 @@ class JobQueue {
   void detach_server();
   std::vector<pid_t> pids() const;  // started, not yet collected
   pid_t pid(int worker) const;
+  // Sends `sig` to the worker through its handle: its Child (kFork), or the pidfd its fork server
+  // opened before it could reap it (kServer). Nothing once it has exited: never a process that
+  // has its PID by then. Throws DataError for a worker the queue does not have.
+  void signal(int worker, int sig);
   // The worker's exit status once it ended (waits up to `timeout` for it); nullopt while alive.
   std::optional<launch::ExitStatus> exit_status(int worker, std::chrono::milliseconds timeout);
 

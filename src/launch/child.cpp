@@ -17,6 +17,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <set>
@@ -543,6 +544,51 @@ UniqueFd open_pidfd(pid_t pid) {
   UniqueFd fd(static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)));
   if (!fd) throw SystemError(fmt::format("pidfd_open({})", pid), errno);
   return fd;
+}
+
+namespace {
+
+// The process a pidfd refers to, from /proc/self/fdinfo: its PID, -1 once it was reaped, nullopt
+// when `fd` is no pidfd.
+std::optional<pid_t> pidfd_target(int fd) {
+  const std::string path = fmt::format("/proc/self/fdinfo/{}", fd);
+  UniqueFd info(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!info) return std::nullopt;
+  char buf[4096];
+  std::string text;
+  for (ssize_t n; (n = ::read(info.get(), buf, sizeof buf)) != 0;) {
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return std::nullopt;
+    text.append(buf, static_cast<size_t>(n));
+  }
+  const auto at = text.find("\nPid:\t");
+  if (at == std::string::npos) return std::nullopt;
+  return static_cast<pid_t>(std::strtol(text.c_str() + at + 6, nullptr, 10));
+}
+
+}  // namespace
+
+ServerChild::ServerChild(pid_t pid, UniqueFd pidfd) : pid_(pid), pidfd_(std::move(pidfd)) {
+  const auto target = pidfd_ ? pidfd_target(pidfd_.get()) : std::nullopt;
+  if (!target) throw Error(fmt::format("the handle of PID {} is no pidfd", pid));
+  if (*target != pid && *target != -1) {  // -1: it has exited and its parent reaped it already
+    throw Error(fmt::format("the handle of PID {} is the pidfd of PID {}", pid, *target));
+  }
+}
+
+bool ServerChild::signal(int sig) const noexcept {
+  if (!pidfd_ || exited()) return false;
+  return ::syscall(SYS_pidfd_send_signal, pidfd_.get(), sig, nullptr, 0) == 0;
+}
+
+bool ServerChild::exited() const noexcept {
+  if (!pidfd_) return true;
+  pollfd p{pidfd_.get(), POLLIN, 0};
+  int r;
+  do {
+    r = ::poll(&p, 1, 0);
+  } while (r < 0 && errno == EINTR);
+  return r > 0;
 }
 
 Child start_child(const ChildOptions& o) {

@@ -174,4 +174,34 @@ Child start_child(const ChildOptions& options);
 
 UniqueFd open_pidfd(pid_t pid);
 
+// A process someone else started and reaps (a child of the Python fork server), held by a pidfd
+// its parent opened before it could reap it and passed on (SCM_RIGHTS). The pidfd names that one
+// process for good: once it has exited, signal() reaches nothing, even when its PID is another
+// process's by then. Where only a PID is known, pidfd_open(PID) is no substitute: the process may
+// have been reaped, and its PID reused, before the open.
+//
+//   ServerChild c(pid, std::move(pidfd_from_the_server));
+//   c.signal(SIGTERM);   // false: it had exited, nothing was sent
+//   c.exited();          // without reaping it (its parent does)
+//
+// Thread-safety: const members from any thread; one owner.
+class ServerChild {
+ public:
+  ServerChild() = default;
+  // Takes `pidfd`; throws Error when it is no pidfd, or that of another process than `pid`.
+  ServerChild(pid_t pid, UniqueFd pidfd);
+
+  pid_t pid() const noexcept { return pid_; }
+  int pidfd() const noexcept { return pidfd_.get(); }  // readable once it exited
+  explicit operator bool() const noexcept { return static_cast<bool>(pidfd_); }
+
+  // Sends `sig` to the process unless it has exited; whether it was sent.
+  bool signal(int sig) const noexcept;
+  bool exited() const noexcept;
+
+ private:
+  pid_t pid_ = -1;
+  UniqueFd pidfd_;
+};
+
 }  // namespace forkguard::launch::detail

@@ -306,8 +306,9 @@ bool ForkServer::read_one(bool block) {
     if (errno != EAGAIN && errno != EWOULDBLOCK) closed_ = true;
     return false;
   }
-  for (int fd : fds) {
-    if (fd >= 0) ::close(fd);
+  UniqueFd first(fds[0]);  // kept with a reply (a child's pidfd); the others are not used
+  for (int k = 1; k < kMaxFds; ++k) {
+    if (fds[k] >= 0) ::close(fds[k]);
   }
   ZygoteReply reply;
   try {
@@ -320,6 +321,7 @@ bool ForkServer::read_one(bool block) {
   } else {
     reply_ = std::move(reply);
     reply_fields_ = std::move(f);
+    reply_fd_ = std::move(first);
     have_reply_ = true;
   }
   return true;
@@ -327,7 +329,7 @@ bool ForkServer::read_one(bool block) {
 
 std::optional<std::vector<std::string>> ForkServer::exchange(
     const std::vector<std::string>& fields, const std::vector<int>& fds,
-    std::optional<std::chrono::milliseconds> timeout) {
+    std::optional<std::chrono::milliseconds> timeout, UniqueFd* reply_fd) {
   const auto deadline =
       timeout ? std::optional(std::chrono::steady_clock::now() + *timeout) : std::nullopt;
   std::lock_guard lock(mutex_);  // the reply is this request's: no other request in between
@@ -347,6 +349,8 @@ std::optional<std::vector<std::string>> ForkServer::exchange(
     if (!read_one(false) && errno != EAGAIN) throw closed();
   }
   have_reply_ = false;
+  if (reply_fd) *reply_fd = std::move(reply_fd_);
+  reply_fd_.reset();
   return std::move(reply_fields_);
 }
 
@@ -411,7 +415,7 @@ std::optional<int> ForkServer::wait_exit(pid_t pid, std::chrono::milliseconds ti
 }
 
 pid_t ForkServer::request(const std::vector<std::string>& fields, int stdout_fd, int stderr_fd,
-                          int extra_fd) {
+                          int extra_fd, UniqueFd* reply_fd) {
   std::lock_guard lock(mutex_);
   int fds[kMaxFds] = {stdout_fd >= 0 ? stdout_fd : 1, stderr_fd >= 0 ? stderr_fd : 2, extra_fd};
   // A zygote found dead (killed, OOM) is reaped and replaced once per request: it failed every
@@ -426,7 +430,11 @@ pid_t ForkServer::request(const std::vector<std::string>& fields, int stdout_fd,
     }
     replace_dead_zygote();
   }
-  if (const auto* started = std::get_if<StartedReply>(&reply_)) return started->pid;
+  UniqueFd fd = std::move(reply_fd_);
+  if (const auto* started = std::get_if<StartedReply>(&reply_)) {
+    if (reply_fd) *reply_fd = std::move(fd);
+    return started->pid;
+  }
   throw SpawnError(fmt::format("the fork server (PID {}) refused: {}", pid_,
                                std::get<ErrorReply>(reply_).message));
 }
@@ -443,8 +451,9 @@ pid_t ForkServer::start_exec(const std::vector<std::string>& argv,
   return request(encode(ExecRequest{.argv = argv, .env = env}), stdout_fd, stderr_fd);
 }
 
-pid_t ForkServer::start_call(const std::string& function, int fd, int stdout_fd, int stderr_fd) {
-  return request(encode(CallRequest{.function = function}), stdout_fd, stderr_fd, fd);
+pid_t ForkServer::start_call(const std::string& function, int fd, int stdout_fd, int stderr_fd,
+                             UniqueFd* pidfd) {
+  return request(encode(CallRequest{.function = function}), stdout_fd, stderr_fd, fd, pidfd);
 }
 
 bool register_zygote_function(const char* name, ZygoteFunction fn, const char* file, int line) {

@@ -52,7 +52,10 @@ class ForkServer {
 
   // Asks the zygote to fork a child running the zygote function `function` on `fd` (passed to
   // the child; every other fd but stdio is closed there). The child _exits with its result.
-  pid_t start_call(const std::string& function, int fd, int stdout_fd = -1, int stderr_fd = -1);
+  // `pidfd` (optional): the child's pidfd, when the server sent one with its reply (the Python
+  // server does: opened before it could reap the child), else left empty.
+  pid_t start_call(const std::string& function, int fd, int stdout_fd = -1, int stderr_fd = -1,
+                   forkguard::detail::UniqueFd* pidfd = nullptr);
 
   int fd() const { return sock_.get(); }
   pid_t pid() const { return pid_; }
@@ -74,15 +77,17 @@ class ForkServer {
   // kMaxSendFds fds) and the fields of the next message that is not an exit report (those are
   // queued meanwhile); nullopt when none came within `timeout` (none: as long as it takes). An
   // empty `fields` sends nothing and only waits (the server's "ready"). Throws SpawnError once
-  // the server closed its socket, saying how it ended (ended()).
-  std::optional<std::vector<std::string>> exchange(
-      const std::vector<std::string>& fields, const std::vector<int>& fds,
-      std::optional<std::chrono::milliseconds> timeout);
+  // the server closed its socket, saying how it ended (ended()). `reply_fd` (optional): the fd
+  // the reply carried, if any (the Python server's guard_started carries the child's pidfd).
+  std::optional<std::vector<std::string>> exchange(const std::vector<std::string>& fields,
+                                                   const std::vector<int>& fds,
+                                                   std::optional<std::chrono::milliseconds> timeout,
+                                                   forkguard::detail::UniqueFd* reply_fd = nullptr);
 
  private:
   ForkServer(pid_t pid, int sock) : pid_(pid), sock_(sock) {}
   pid_t request(const std::vector<std::string>& fields, int stdout_fd, int stderr_fd,
-                int extra_fd = -1);
+                int extra_fd = -1, forkguard::detail::UniqueFd* reply_fd = nullptr);
   bool read_one(bool block);  // one message: exit reports are queued, a reply is stored
   // The zygote's socket is closed: reaps it and forks a new one (said on stderr; the notice is
   // returned), or throws SpawnError saying why it cannot (not the owner, CUDA state here).
@@ -96,6 +101,7 @@ class ForkServer {
   std::vector<std::pair<pid_t, int>> exits_;
   ZygoteReply reply_;
   std::vector<std::string> reply_fields_;  // the same reply as it came
+  forkguard::detail::UniqueFd reply_fd_;   // the first fd it carried, if any
   bool have_reply_ = false;
   bool closed_ = false;  // recv found EOF
   std::string ended_;    // ended(), once known

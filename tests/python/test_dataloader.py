@@ -1950,3 +1950,59 @@ def test_three_loaders_in_three_threads_pass_as_fast_as_torchs(script, start):
         f"torch {r['torch']}: forkguard's slowest pass {ours['slowest']:.2f} s, "
         f"torch's {theirs['slowest']:.2f} s")
     assert r["children"] == []
+
+
+SIGNALLED = '''
+class Slow(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        time.sleep(0.02)
+        return torch.full((2,), float(i))
+
+
+def by_pid(pid, sig):
+    raise AssertionError(f"os.kill({pid}, {sig}): a worker signalled by PID")
+
+
+it = iter(forkguard.DataLoader(Slow(), batch_size=4, num_workers=2, worker_start=sys.argv[1]))
+next(it)
+a, b = it._workers
+kill, os.kill = os.kill, by_pid
+try:
+    a.terminate()
+    b.kill()
+    a.join(30)
+    b.join(30)
+    codes = [a.exitcode, b.exitcode]
+    # collected (reaped): their PIDs may be other processes' now, and nothing is sent
+    a.kill()
+    b.terminate()
+    after = [a.exitcode, b.exitcode, a.is_alive(), b.is_alive()]
+finally:
+    os.kill = kill
+try:
+    for _ in it:
+        pass
+    error = None
+except RuntimeError as e:
+    error = str(e)
+del it
+wait_for(lambda: not workers())
+result(codes=codes, after=after, error=error, workers=workers(), children=children())
+'''
+
+
+@pytest.mark.parametrize("start", STARTS)
+def test_terminate_and_kill_of_a_worker_go_through_its_handle_and_report_15_and_9(script, start):
+    # torch's iterator lists its workers as Processes: terminate()/kill() reach a worker through
+    # its handle (its Child, or the pidfd the fork server opened before it could reap it), never
+    # by PID (os.kill fails here), and once it was collected send nothing and raise nothing.
+    # (A forked worker, a copy of this interpreter, catches SIGTERM and exits 0, by PID too.)
+    term = -15 if start == "server" else 0
+    _, r = script(SIGNALLED, args=[start])
+    assert r["codes"] == [term, -9], r
+    assert r["after"] == [term, -9, False, False], r
+    assert r["error"] is not None and "DataLoader worker (pid" in r["error"], r
+    assert r["workers"] == [] and r["children"] == []

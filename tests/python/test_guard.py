@@ -5,6 +5,7 @@ returns 0 and whose results come back through multiprocessing's own objects; on 
 plain fork. Each test checks that nothing is left behind: processes, fds, files in /dev/shm."""
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -828,3 +829,106 @@ def test_reroute_a_killed_fork_server_gives_its_children_the_real_status_at_once
     assert "exit codes [-9, -9]" in out.stdout, out.stdout + out.stderr
     assert "children: []" in out.stdout
 
+
+
+def test_reroute_terminate_and_kill_go_through_the_childs_pidfd_never_a_pid(script):
+    # A rerouted Process is a child of the fork server, signalled through the pidfd the server
+    # opened before it could reap it, never by PID (os.kill fails here). Once it has exited and
+    # was reaped, terminate()/kill() send nothing and raise nothing.
+    out = script("""
+        import signal, time
+        def forever():
+            time.sleep(600)
+        if __name__ == "__main__":
+            cuinit()
+            forkguard.guard()
+            a, b, c = (mp.Process(target=forever) for _ in range(3))
+            for p in (a, b, c):
+                p.start()
+            handles = [p._popen._child for p in (a, b, c)]
+            print("handles", [h.pid == p.pid for h, p in zip(handles, (a, b, c))])
+            def by_pid(pid, sig):
+                raise AssertionError(f"os.kill({pid}, {sig}): a child signalled by PID")
+            os.kill = by_pid
+            a.terminate(); b.kill()
+            a.join(); b.join()
+            print("codes", a.exitcode, b.exitcode)
+            print("exited", [h.exited() for h in handles])
+            a.terminate(); a.kill(); b.terminate(); b.kill()
+            print("stale", handles[0].signal(signal.SIGKILL), handles[1].signal(0))
+            print("live", handles[2].signal(0))
+            c.kill(); c.join()
+            print("third", c.exitcode)
+            for p in (a, b, c):
+                p.close()
+    """)
+    assert "handles [True, True, True]" in out.stdout, out.stdout + out.stderr
+    assert "codes -15 -9" in out.stdout
+    assert "exited [True, True, False]" in out.stdout
+    assert "stale False False" in out.stdout
+    assert "live True" in out.stdout
+    assert "third -9" in out.stdout
+
+
+def _pid_namespace_allowed():
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return None
+    probe = subprocess.run([unshare, "-Urpf", "--mount-proc", "sh", "-c",
+                            "echo 100 > /proc/sys/kernel/ns_last_pid"],
+                           capture_output=True, text=True)
+    return unshare if probe.returncode == 0 else None
+
+
+def test_reroute_a_stale_handle_never_signals_the_process_that_got_its_pid(fake_cuda_env,
+                                                                           tmp_path):
+    # In a PID namespace of its own (whose next PID can be chosen): a rerouted Process exits,
+    # the fork server reaps it, a decoy gets its PID. Its handle sends nothing to the decoy,
+    # where a kill by PID (os.kill(p.pid, ...)) would have killed it.
+    unshare = _pid_namespace_allowed()
+    if unshare is None:
+        pytest.skip("no PID namespace with a writable ns_last_pid here (unshare -Urpf)")
+    path = tmp_path / "reuse.py"
+    path.write_text(PRELUDE + textwrap.dedent("""
+        import signal, subprocess
+        def quick():
+            pass
+        if __name__ == "__main__":
+            cuinit()
+            forkguard.guard()
+            p = mp.Process(target=quick)
+            p.start()
+            handle, pid = p._popen._child, p.pid
+            p.join()
+            print("exit", p.exitcode, handle.exited())
+            # The next PID handed out is ns_last_pid + 1; a thread started meanwhile may take
+            # it first: try again.
+            for _ in range(100):
+                with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+                    f.write(str(pid - 1))
+                decoy = subprocess.Popen(["sleep", "60"])
+                if decoy.pid == pid:
+                    break
+                decoy.kill()
+                decoy.wait()
+            print("decoy has its PID", decoy.pid == pid)
+            print("sent", handle.signal(signal.SIGKILL))
+            p.kill()
+            try:
+                decoy.wait(timeout=1.0)
+                print("decoy killed")
+            except subprocess.TimeoutExpired:
+                print("decoy alive")
+            decoy.kill()
+            decoy.wait()
+            p.close()
+    """))
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(forkguard.__file__)))
+    out = subprocess.run([unshare, "-Urpf", "--mount-proc", sys.executable, str(path)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env=dict(os.environ, PYTHONPATH=package_parent))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "exit 0 True" in out.stdout, out.stdout + out.stderr
+    assert "decoy has its PID True" in out.stdout
+    assert "sent False" in out.stdout
+    assert "decoy alive" in out.stdout

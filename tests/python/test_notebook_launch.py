@@ -359,3 +359,16 @@ def test_a_rank_that_leaves_a_fork_running_still_ends_at_once(forkguard_preloade
         time.sleep(0.01)
     assert pid_gone(pid)  # the rank's group was stopped with it
     assert server_children() == []
+
+
+def test_the_supervisor_binding_takes_keywords_and_gives_a_named_result():
+    # What crosses from Python to the C++ supervisor is named: the arguments by keyword only (a
+    # call by position is refused before anything starts), the result as attributes.
+    from forkguard import _native
+
+    with pytest.raises(TypeError):
+        _native._supervise_notebook(1, 2, b"", 1, [], 5.0)
+    doc = _native._supervise_notebook.__doc__
+    assert "*, server_pid: int" in doc and "_NotebookResult" in doc
+    assert {"json", "report", "memfds"} <= set(dir(_native._NotebookResult))
+    assert forkguard.notebook_launch(os.getpid) != [os.getpid()]  # a rank's result, through it
