@@ -17,6 +17,7 @@
 
 #include "forkguard/cuda/driver.hpp"
 #include "forkguard/data/error.hpp"
+#include "nothing_left.hpp"
 #include "paths.hpp"
 #include "process.hpp"
 
@@ -74,15 +75,8 @@ std::string text(fdd::JobQueue& q, const fdd::JobResult& r) {
   return std::string(reinterpret_cast<const char*>(q.slot_data(r.slot)), r.bytes);
 }
 
-class JobQueue : public ::testing::Test {
- protected:
-  void SetUp() override { fds_ = ft::open_fds(); }
-  void TearDown() override {
-    EXPECT_EQ(ft::children_of(::getpid()), std::vector<pid_t>{});
-    EXPECT_EQ(ft::open_fds(), fds_);
-  }
-  std::vector<int> fds_;
-};
+// Every test leaves no child and no fd behind.
+class JobQueue : public ft::NothingLeft {};
 
 TEST_F(JobQueue, JobsGoRoundRobinAndComeBackInOrder) {
   fdd::JobQueue q(options(3));

@@ -21,6 +21,7 @@
 #include "data/workers.hpp"
 #include "forkguard/data/dataset.hpp"
 #include "forkguard/data/transform.hpp"
+#include "nothing_left.hpp"
 #include "process.hpp"
 
 namespace fd = forkguard::data;
@@ -102,15 +103,8 @@ struct ImageWorkers {
   void stop() { workers->stop(); }
 };
 
-class WorkerSockets : public ::testing::Test {
- protected:
-  void SetUp() override { fds_ = ft::open_fds(); }
-  void TearDown() override {
-    EXPECT_EQ(ft::children_of(::getpid()), std::vector<pid_t>{});
-    EXPECT_EQ(ft::open_fds(), fds_);
-  }
-  std::vector<int> fds_;
-};
+// Every test leaves no child and no fd behind.
+class WorkerSockets : public ft::NothingLeft {};
 
 // One thread's queue forks its first worker while another thread starts a queue. The fork is
 // preceded by before_fork (in Python, PyOS_BeforeFork runs the interpreter's at-fork handlers,
