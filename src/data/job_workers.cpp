@@ -478,7 +478,7 @@ class JobQueue::Impl : public JobSlot {
     auto [mine, theirs] = make_worker_sockets();
     auto& p = procs_[static_cast<size_t>(w)];
     if (o_.start == JobStart::kServer) {
-      p.pid = o_.server->start_call(o_.server_function, theirs.get());
+      p.pid = o_.server->start_call(o_.server_function, theirs.get()).pid;
       theirs.reset();
       if (!send(mine.get(), SetupMessage{.bytes = o_.setup.size(), .worker = w}, setup_fd)) {
         const int e = errno;

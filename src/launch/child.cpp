@@ -707,18 +707,20 @@ ExitStatus Child::wait() {
   return reaped(from_siginfo(info));
 }
 
+std::optional<ExitStatus> Child::wait_for(std::chrono::milliseconds timeout) {
+  if (!running()) return try_wait();
+  pollfd p{pidfd_.get(), POLLIN, 0};
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    auto left =
+        std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0 || ::poll(&p, 1, static_cast<int>(left.count())) > 0) break;
+  }
+  return try_wait();
+}
+
 ExitStatus Child::stop() {
   if (!running()) return status_;
-  auto wait_for = [&](std::chrono::milliseconds t) {
-    pollfd p{pidfd_.get(), POLLIN, 0};
-    const auto deadline = std::chrono::steady_clock::now() + t;
-    for (;;) {
-      auto left =
-          std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-      if (left.count() <= 0 || ::poll(&p, 1, static_cast<int>(left.count())) > 0) break;
-    }
-    return try_wait().has_value();
-  };
   if (stop_.signal != 0 && stop_.signal != SIGKILL) {
     signal(stop_.signal);
     if (wait_for(stop_.grace)) return status_;
@@ -728,14 +730,6 @@ ExitStatus Child::stop() {
     ::syscall(SYS_pidfd_send_signal, pidfd_.get(), SIGKILL, nullptr, 0);  // a reaper that hangs
   }
   return wait();
-}
-
-pid_t Child::release() noexcept {
-  pidfd_.reset();
-  report_.reset();
-  start_pending_ = false;
-  reaped_ = true;
-  return std::exchange(pid_, -1);
 }
 
 }  // namespace forkguard::launch::detail

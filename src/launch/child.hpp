@@ -145,11 +145,12 @@ class Child {
   void signal(int sig) noexcept;
   // Reaps it if it has exited; nullopt while it runs.
   std::optional<ExitStatus> try_wait();
+  // Waits up to `timeout` for it to exit (its pidfd), and reaps it if it did; nullopt while it
+  // runs. For a bounded step of a caller's own stop sequence (the fork server's EOF, then kill).
+  std::optional<ExitStatus> wait_for(std::chrono::milliseconds timeout);
   ExitStatus wait();
   // The stop policy: signal, grace, SIGKILL, reap. The status once reaped.
   ExitStatus stop();
-  // Someone else reaps it (the fork server's waitpid(-1)); the handle forgets it.
-  pid_t release() noexcept;
 
  private:
   friend Child start_child(const ChildOptions&);

@@ -50,6 +50,7 @@ struct StartedRank {
   pid_t pid = -1;
   Child child;              // started here (under its reaper); empty for fork-server ranks
   bool via_server = false;  // its exit comes as the fork server's report
+  forkguard::detail::UniqueFd server_pidfd;  // a fork-server rank's (ServerChild::pidfd)
 };
 
 // Starts one rank by `method` with `env` as its whole environment and stdio from `io`.

@@ -277,7 +277,6 @@ TEST_F(Child, WhenItsParentDiesTheReaperKillsTheTree) {
   if (middle == 0) {
     auto exec = sh("setsid sleep 60 & echo $$ $!; exec sleep 60");
     auto c = fd::start_child({.exec = &exec, .stdout_fd = out.w.get(), .reap_tree = true});
-    c.release();
     ::pause();
     ::_exit(0);
   }
@@ -301,7 +300,6 @@ TEST_F(Child, AChildOfTheMainThreadDiesWithItsParent) {
   if (middle == 0) {
     auto exec = sh("echo $$; exec sleep 60");
     auto c = fd::start_child({.exec = &exec, .stdout_fd = out.w.get()});
-    c.release();
     ::pause();
     ::_exit(0);
   }
