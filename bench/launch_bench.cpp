@@ -132,7 +132,7 @@ int main(int argc, char** argv) {
     std::vector<double> t;
     for (int i = 0; i < reps * 4; ++i) {
       auto start = Clock::now();
-      pid_t pid = server->start_entry("noop", {}, env, 1, 2);
+      pid_t pid = server->start_entry("noop", {}, env, 1, 2).pid();
       t.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
       for (bool reaped = false; !reaped;) {
         pollfd p{server->fd(), POLLIN, 0};

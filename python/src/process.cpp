@@ -55,22 +55,12 @@ int returncode(const fl::ExitStatus& s) {
   return s.kind == fl::ExitStatus::Kind::kSignaled ? -s.signal : s.code;
 }
 
-// os.waitpid's status word for an exit status.
-int wait_status(const fl::ExitStatus& s) {
-  if (s.kind == fl::ExitStatus::Kind::kSignaled)
-    return (s.signal & 0x7f) | (s.core_dumped ? 0x80 : 0);
-  return (s.code & 0xff) << 8;
-}
-
 class ChildProcess {
  public:
   explicit ChildProcess(fl::detail::Child child)
       : child_(std::move(child)), pid_(child_.pid()), owner_(::getpid()) {}
   ChildProcess(const ChildProcess&) = delete;
-  ChildProcess& operator=(const ChildProcess&) = delete;
-  ~ChildProcess() {
-    if (!mine()) child_.release();  // a fork's copy: not its process
-  }
+  ChildProcess& operator=(const ChildProcess&) = delete;  // a fork's copy leaves it alone
 
   int pid() const { return pid_; }
   int pidfd() const { return mine() ? child_.pidfd() : -1; }
@@ -81,7 +71,7 @@ class ChildProcess {
   }
 
   std::optional<int> status() {
-    if (auto s = try_wait()) return wait_status(*s);
+    if (auto s = try_wait()) return s->wait_status();  // os.waitpid's
     return std::nullopt;
   }
 

@@ -486,10 +486,10 @@ class JobQueue::Impl : public JobSlot {
     auto [mine, theirs] = make_worker_sockets();
     auto& p = procs_[static_cast<size_t>(w)];
     if (o_.start == JobStart::kServer) {
-      UniqueFd pidfd;
-      p.pid = o_.server->start_call(o_.server_function, theirs.get(), -1, -1, &pidfd);
+      auto started = o_.server->start_call(o_.server_function, theirs.get());
+      p.pid = started.pid();
       theirs.reset();
-      if (!pidfd) {
+      if (!started) {
         p.sock = std::move(mine);  // EOF once the queue stops: it exits, its server reaps it
         p.alive = true;
         throw launch::SpawnError(
@@ -497,7 +497,7 @@ class JobQueue::Impl : public JobSlot {
                         "its pidfd: it could not be signalled safely",
                         o_.server->pid(), w, p.pid));
       }
-      p.server_child = launch::detail::ServerChild(p.pid, std::move(pidfd));
+      p.server_child = std::move(started);
       if (!send(mine.get(), SetupMessage{.bytes = o_.setup.size(), .worker = w}, setup_fd)) {
         const int e = errno;
         p.sock = std::move(mine);

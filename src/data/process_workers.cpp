@@ -14,7 +14,6 @@
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -378,10 +377,11 @@ class ProcessWorkers : public Workers {
   struct Proc {
     pid_t pid = -1;
     WorkerSocket sock;
-    UniqueFd pidfd;
+    launch::detail::Child child;               // a guarded fork's: ours until reaped
+    launch::detail::ServerChild server_child;  // the fork server's child: its handle
     bool alive = false;
     std::vector<bool> has_slot;
-    int status = 0;  // wait status, once collected
+    launch::ExitStatus status;  // once collected
     bool collected = false;
     std::string lost;  // collected: its fork server ended, and it with it (no status comes)
   };
@@ -407,7 +407,9 @@ class ProcessWorkers : public Workers {
     auto [mine, theirs] = make_worker_sockets();
     auto& p = procs_[static_cast<size_t>(w)];
     if (via_) {
-      p.pid = ForkServer::get()->start_call(kZygoteFunction, theirs.get());
+      auto started = ForkServer::get()->start_call(kZygoteFunction, theirs.get());
+      p.pid = started.pid();
+      p.server_child = std::move(started);
       theirs.reset();
       if (!send_message(mine.get(), encode(SetupMessage{.bytes = setup_size, .worker = w}),
                         &setup_fd, 1)) {
@@ -418,16 +420,15 @@ class ProcessWorkers : public Workers {
                                     setup_size, std::strerror(e)));
       }
     } else {
-      p.pid = guarded_fork(w, theirs.get());
+      p.child = guarded_fork(w, theirs.get());
+      p.pid = p.child.pid();
       theirs.reset();
     }
     p.sock = std::move(mine);
     p.alive = true;
-    // A pidfd names this process even after its PID is reused: every signal goes through it.
-    p.pidfd.reset(static_cast<int>(::syscall(SYS_pidfd_open, p.pid, 0)));
   }
 
-  pid_t guarded_fork(int w, int child_sock) {
+  launch::detail::Child guarded_fork(int w, int child_sock) {
     // Everything is prepared here, before the fork: its name, its producer, and the check that
     // this process may fork (the worker is a copy of it).
     const std::string name = fmt::format("fg-worker-{}", w);
@@ -462,8 +463,7 @@ class ProcessWorkers : public Workers {
                          .close_other_fds = false,
                          .name = name.c_str(),
                          .what = fmt::format("process worker {}", w)},
-                        child_sock)
-        .release();  // reaped by collect(), which waits on its pidfd
+                        child_sock);
   }
 
   std::string await_ready(int w, std::optional<Clock::time_point> deadline) {
@@ -517,14 +517,16 @@ class ProcessWorkers : public Workers {
   std::string how(const Proc& p) const {
     if (!p.collected) return "stopped (exit status unknown)";
     if (!p.lost.empty()) return "died with its fork server: " + p.lost;
-    return launch::ExitStatus::from_wait_status(p.status).to_string();
+    return p.status.to_string();
   }
 
+  // Through a handle that names it even once its PID is reused: its Child (to its process group),
+  // or the fork server's child's pidfd (none: it had exited by the time the reply was read).
   void kill(Proc& p) {
-    if (p.pidfd) {
-      ::syscall(SYS_pidfd_send_signal, p.pidfd.get(), SIGKILL, nullptr, 0);
-    } else if (!p.collected && p.pid > 0) {
-      ::kill(p.pid, SIGKILL);  // no pidfd (pidfd_open failed): not collected, so still ours
+    if (p.child) {
+      p.child.signal(SIGKILL);
+    } else {
+      p.server_child.signal(SIGKILL);
     }
   }
 
@@ -534,7 +536,7 @@ class ProcessWorkers : public Workers {
     if (via_) {
       try {
         if (auto status = ForkServer::get()->wait_exit(p.pid, timeout)) {
-          p.status = *status;
+          p.status = launch::ExitStatus::from_wait_status(*status);
           p.collected = true;
         }
       } catch (const forkguard::launch::SpawnError&) {
@@ -543,21 +545,11 @@ class ProcessWorkers : public Workers {
       }
       return p.collected;
     }
-    if (p.pidfd) {
-      pollfd q{p.pidfd.get(), POLLIN, 0};
-      int r;
-      do {
-        r = ::poll(&q, 1, static_cast<int>(timeout.count()));
-      } while (r < 0 && errno == EINTR);
-      if (r == 0) return false;
-    }
-    int status = 0;
-    pid_t r;
-    do {
-      r = ::waitpid(p.pid, &status, 0);
-    } while (r < 0 && errno == EINTR);
-    if (r == p.pid) {
-      p.status = status;
+    auto status = p.child.wait_for(timeout);
+    if (!status) return false;
+    // Not started: it could not be reaped (not ours any more); its status stays unknown.
+    if (status->kind != launch::ExitStatus::Kind::kNotStarted) {
+      p.status = *status;
       p.collected = true;
     }
     return true;

@@ -636,6 +636,7 @@ Child start_child(const ChildOptions& o) {
   report_w.reset();
   Child c;
   c.pid_ = pid;
+  c.owner_ = ::getpid();
   c.report_ = std::move(report_r);
   c.own_group_ = o.group == ProcessGroup::kNew;
   c.reaper_ = o.reap_tree;
@@ -663,8 +664,9 @@ Child::Child(Child&& o) noexcept {
 
 Child& Child::operator=(Child&& o) noexcept {
   if (this != &o) {
-    if (running()) stop();
+    if (running() && ::getpid() == owner_) stop();
     pid_ = std::exchange(o.pid_, -1);
+    owner_ = o.owner_;
     pidfd_ = std::move(o.pidfd_);
     report_ = std::move(o.report_);
     reaped_ = std::exchange(o.reaped_, false);
@@ -679,8 +681,10 @@ Child& Child::operator=(Child&& o) noexcept {
   return *this;
 }
 
+// A fork's copy of a handle (the process that started the child forked since) is not the child's
+// parent: it leaves the child alone, as it could neither reap it nor stop it by its policy.
 Child::~Child() {
-  if (running()) stop();
+  if (running() && ::getpid() == owner_) stop();
 }
 
 void Child::await_start() {
@@ -753,18 +757,20 @@ ExitStatus Child::wait() {
   return reaped(from_siginfo(info));
 }
 
+std::optional<ExitStatus> Child::wait_for(std::chrono::milliseconds timeout) {
+  if (!running()) return try_wait();
+  pollfd p{pidfd_.get(), POLLIN, 0};
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    auto left =
+        std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0 || ::poll(&p, 1, static_cast<int>(left.count())) > 0) break;
+  }
+  return try_wait();
+}
+
 ExitStatus Child::stop() {
   if (!running()) return status_;
-  auto wait_for = [&](std::chrono::milliseconds t) {
-    pollfd p{pidfd_.get(), POLLIN, 0};
-    const auto deadline = std::chrono::steady_clock::now() + t;
-    for (;;) {
-      auto left =
-          std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-      if (left.count() <= 0 || ::poll(&p, 1, static_cast<int>(left.count())) > 0) break;
-    }
-    return try_wait().has_value();
-  };
   if (stop_.signal != 0 && stop_.signal != SIGKILL) {
     signal(stop_.signal);
     if (wait_for(stop_.grace)) return status_;
@@ -774,14 +780,6 @@ ExitStatus Child::stop() {
     ::syscall(SYS_pidfd_send_signal, pidfd_.get(), SIGKILL, nullptr, 0);  // a reaper that hangs
   }
   return wait();
-}
-
-pid_t Child::release() noexcept {
-  pidfd_.reset();
-  report_.reset();
-  start_pending_ = false;
-  reaped_ = true;
-  return std::exchange(pid_, -1);
 }
 
 }  // namespace forkguard::launch::detail

@@ -130,7 +130,7 @@ class Child {
   Child& operator=(Child&& o) noexcept;
   Child(const Child&) = delete;
   Child& operator=(const Child&) = delete;
-  ~Child();  // a running child: stop() by its policy
+  ~Child();  // a running child: stop() by its policy (not in a fork's copy of the handle)
 
   pid_t pid() const noexcept { return pid_; }
   int pidfd() const noexcept { return pidfd_.get(); }  // readable once it exited
@@ -145,16 +145,18 @@ class Child {
   void signal(int sig) noexcept;
   // Reaps it if it has exited; nullopt while it runs.
   std::optional<ExitStatus> try_wait();
+  // Waits up to `timeout` for it to exit (its pidfd), and reaps it if it did; nullopt while it
+  // runs. For a bounded step of a caller's own stop sequence (the fork server's EOF, then kill).
+  std::optional<ExitStatus> wait_for(std::chrono::milliseconds timeout);
   ExitStatus wait();
   // The stop policy: signal, grace, SIGKILL, reap. The status once reaped.
   ExitStatus stop();
-  // Someone else reaps it (the fork server's waitpid(-1)); the handle forgets it.
-  pid_t release() noexcept;
 
  private:
   friend Child start_child(const ChildOptions&);
   ExitStatus reaped(ExitStatus s);  // adds the reaper's core flag, closes the handle
   pid_t pid_ = -1;
+  pid_t owner_ = -1;  // the process that started it (its parent)
   UniqueFd pidfd_;
   UniqueFd report_;  // the child's reports: a failed step, the reaper's news
   bool reaped_ = false;
@@ -190,6 +192,8 @@ class ServerChild {
   ServerChild() = default;
   // Takes `pidfd`; throws Error when it is no pidfd, or that of another process than `pid`.
   ServerChild(pid_t pid, UniqueFd pidfd);
+  // One that had exited before a pidfd could name it: signal() sends nothing, exited() is true.
+  explicit ServerChild(pid_t pid) : pid_(pid) {}
 
   pid_t pid() const noexcept { return pid_; }
   int pidfd() const noexcept { return pidfd_.get(); }  // readable once it exited

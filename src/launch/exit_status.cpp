@@ -13,6 +13,15 @@ ExitStatus ExitStatus::from_wait_status(int status) {
   return {};
 }
 
+int ExitStatus::wait_status() const {
+  switch (kind) {
+    case Kind::kExited: return (code & 0xff) << 8;
+    case Kind::kSignaled: return (signal & 0x7f) | (core_dumped ? 0x80 : 0);
+    case Kind::kNotStarted: break;
+  }
+  return 0xffff;  // "continued": neither exited nor signaled
+}
+
 int ExitStatus::shell_code() const {
   switch (kind) {
     case Kind::kExited: return code;

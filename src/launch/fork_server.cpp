@@ -55,9 +55,19 @@ forkguard::detail::Registry<ZygoteFunction>& zygote_functions() {
 }
 
 // ---------------------------------------------------------------- the zygote's side
+// Every child it starts stays a Child (children_) until SIGCHLD says it exited: it is then reaped
+// through its handle, and its exit reported as the wait status waitpid() would give.
+//
+// The zygote leaves by _exit() (EOF on its socket: the program is gone or stopping it), and the
+// object is never destroyed (see fork_zygote): its children are stopped by their parent-death
+// signal (a rank's reaper: SIGTERM, and it kills its tree; a call child: SIGKILL), all at once,
+// not one by one by each Child's stop policy (SIGTERM, 5 s, SIGKILL), which would hold the
+// zygote for up to 5 s per child while the program waits 1 s before it SIGKILLs the zygote.
 class Zygote {
  public:
   explicit Zygote(int sock) : sock_(sock) {}
+  Zygote(const Zygote&) = delete;
+  Zygote& operator=(const Zygote&) = delete;
 
   [[noreturn]] void serve() {
     // The launcher decides what stops the ranks: the zygote blocks the stop signals (a terminal's
@@ -94,16 +104,29 @@ class Zygote {
         }
       }
     }
-    ::_exit(0);  // PR_SET_PDEATHSIG takes our ranks with us
+    ::_exit(0);  // PR_SET_PDEATHSIG takes our children with us (see the class comment)
   }
 
  private:
+  // One report per child that exited (one SIGCHLD may stand for several), in PID order.
   void reap() {
-    int status = 0;
-    pid_t pid;
-    while ((pid = ::waitpid(-1, &status, WNOHANG)) > 0) {
-      send_message(sock_, encode(ExitReport{.pid = pid, .status = status}), nullptr, 0);
+    for (auto it = children_.begin(); it != children_.end();) {
+      if (auto status = it->second.try_wait()) {
+        send_message(sock_, encode(ExitReport{.pid = it->first, .status = status->wait_status()}),
+                     nullptr, 0);
+        it = children_.erase(it);
+      } else {
+        ++it;
+      }
     }
+  }
+
+  // Keeps the child until it is reaped, and tells the program its PID. Its exit report can only
+  // follow this reply: reap() runs on this thread, after it.
+  void started(Child child) {
+    const pid_t pid = child.pid();
+    children_.emplace(pid, std::move(child));
+    send_message(sock_, encode(StartedReply{.pid = pid}), nullptr, 0);
   }
 
   void reply_error(const std::string& why) {
@@ -143,15 +166,12 @@ class Zygote {
     check_clean();
     auto envp = c_array(r.env);
     const RankContext& ctx = r.ctx;
-    // Reaped by reap() (waitpid(-1)), which reports its exit: the handle is released.
-    pid_t pid = start_child({.main = [fn, &ctx] { return fn(ctx); },
-                             .environ_for_main = envp.data(),
-                             .stdout_fd = io.stdout_fd,
-                             .stderr_fd = io.stderr_fd,
-                             .reap_tree = true,
-                             .what = fmt::format("rank {}", ctx.rank)})
-                    .release();
-    send_message(sock_, encode(StartedReply{.pid = pid}), nullptr, 0);
+    started(start_child({.main = [fn, &ctx] { return fn(ctx); },
+                         .environ_for_main = envp.data(),
+                         .stdout_fd = io.stdout_fd,
+                         .stderr_fd = io.stderr_fd,
+                         .reap_tree = true,
+                         .what = fmt::format("rank {}", ctx.rank)}));
   }
 
   void start_exec(const ExecRequest& r, const ChildIo& io) {
@@ -161,12 +181,8 @@ class Zygote {
       if (eq != std::string::npos) env[kv.substr(0, eq)] = kv.substr(eq + 1);
     }
     const auto exec = prepare_exec(r.argv, env);
-    pid_t pid = start_child({.exec = &exec,
-                             .stdout_fd = io.stdout_fd,
-                             .stderr_fd = io.stderr_fd,
-                             .reap_tree = true})
-                    .release();
-    send_message(sock_, encode(StartedReply{.pid = pid}), nullptr, 0);
+    started(start_child(
+        {.exec = &exec, .stdout_fd = io.stdout_fd, .stderr_fd = io.stderr_fd, .reap_tree = true}));
   }
 
   // The function's fd is the third attached fd.
@@ -178,16 +194,15 @@ class Zygote {
     ZygoteFunction fn = *found;
     // A fork of the single-threaded zygote: the function may allocate. Its fd is 3 there (the
     // zygote's own socket is not passed on).
-    pid_t pid = start_child({.main = [fn] { return fn(3); },
-                             .stdout_fd = io.stdout_fd,
-                             .stderr_fd = io.stderr_fd,
-                             .keep_fds = {{fd, 3, false}},
-                             .what = r.function})
-                    .release();
-    send_message(sock_, encode(StartedReply{.pid = pid}), nullptr, 0);
+    started(start_child({.main = [fn] { return fn(3); },
+                         .stdout_fd = io.stdout_fd,
+                         .stderr_fd = io.stderr_fd,
+                         .keep_fds = {{fd, 3, false}},
+                         .what = r.function}));
   }
 
   int sock_;
+  std::map<pid_t, Child> children_;  // started, not yet reaped
 };
 
 }  // namespace
@@ -198,8 +213,8 @@ ForkServer* ForkServer::get() {
 
 namespace {
 
-// Forks a zygote from this process; returns its PID and our end of its socket.
-std::pair<pid_t, int> fork_zygote() {
+// Forks a zygote from this process; returns it and our end of its socket.
+std::pair<Child, int> fork_zygote() {
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) {
     throw SystemError("fork server: socketpair", errno);
@@ -209,16 +224,17 @@ std::pair<pid_t, int> fork_zygote() {
   // single-threaded copy and may allocate (a restart forks a program that may run threads: it
   // only needs malloc, which glibc makes safe in a forked child, and its own state). It keeps
   // stdio and its socket (at 3), stays in the program's process group, and is reaped by its
-  // owner (the atexit handler, replace_dead_zygote). Not waitable: the program's own reap-all loop
-  // (`while (wait(NULL) > 0)`, Python's os.wait() until ChildProcessError) ends with it running.
-  pid_t pid = start_child({.main = []() -> int { Zygote(3).serve(); },
-                           .keep_fds = {{theirs.get(), 3, true}},
-                           .group = ProcessGroup::kInherit,
-                           .name = "forkguard-zygote",
-                           .waitable = false,
-                           .what = "the fork server"})
-                  .release();
-  return {pid, mine.release()};
+  // owner through its Child (ForkServer::stop, replace_dead_zygote). Not waitable: the program's
+  // own reap-all loop (`while (wait(NULL) > 0)`, Python's os.wait() until ChildProcessError) ends
+  // with it running. The Zygote is never destroyed (it leaves by _exit): its Child handles must
+  // not stop its children one by one, not even when something unwinds through serve().
+  Child zygote = start_child({.main = []() -> int { (new Zygote(3))->serve(); },
+                              .keep_fds = {{theirs.get(), 3, true}},
+                              .group = ProcessGroup::kInherit,
+                              .name = "forkguard-zygote",
+                              .waitable = false,
+                              .what = "the fork server"});
+  return {std::move(zygote), mine.release()};
 }
 
 }  // namespace
@@ -226,8 +242,9 @@ std::pair<pid_t, int> fork_zygote() {
 void ForkServer::start() {
   if (g_server != nullptr) return;
   const bool first = g_owner == 0;
-  auto [pid, sock] = fork_zygote();
-  g_server = new ForkServer(pid, sock);
+  auto [zygote, sock] = fork_zygote();
+  g_server = new ForkServer(zygote.pid(), sock);
+  g_server->zygote_ = std::move(zygote);
   g_owner = ::getpid();
   // At exit, close the socket (the zygote sees EOF and exits) and reap it here, so it never
   // becomes a zombie for init to collect. Registered once (a start after stop() reuses it).
@@ -236,15 +253,13 @@ void ForkServer::start() {
 
 void ForkServer::stop() {
   if (g_server == nullptr || ::getpid() != g_owner) return;  // a forked rank calling exit()
-  const pid_t pid = g_server->pid_;
-  const forkguard::detail::UniqueFd pidfd(static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)));
+  Child& zygote = g_server->zygote_;
   g_server->sock_.reset();
   // EOF ends it at once, unless a child of ours that is not forkguard's (an os.fork() left
   // running) holds a copy of the socket: then it is killed (it holds no state; what it forked
   // dies with it) rather than waited for.
-  pollfd q{pidfd.get(), POLLIN, 0};
-  if (pidfd.get() < 0 || ::poll(&q, 1, 1000) <= 0) ::kill(pid, SIGKILL);
-  ::waitpid(pid, nullptr, __WALL);
+  if (!zygote.wait_for(std::chrono::seconds(1))) zygote.signal(SIGKILL);
+  zygote.wait();
   // Never deleted: whoever still holds it finds a closed socket. Kept reachable (for LeakSanitizer
   // too) from a list of the stopped.
   g_server->retired_next_ = g_retired;
@@ -269,14 +284,14 @@ std::shared_ptr<ForkServer> ForkServer::attach(pid_t pid, int sock) {
 std::string ForkServer::replace_dead_zygote() {
   if (attached_) throw SpawnError(ended());
   // Its socket is closed: it has exited, or is about to. Reap it (SIGKILL in case it lingers).
-  int status = 0;
-  pid_t r = ::waitpid(pid_, &status, WNOHANG | __WALL);
-  if (r == 0) {
-    ::kill(pid_, SIGKILL);
-    r = ::waitpid(pid_, &status, __WALL);
+  std::optional<ExitStatus> status = zygote_.try_wait();
+  if (!status) {
+    zygote_.signal(SIGKILL);
+    status = zygote_.wait();
   }
+  // Not started: not ours to reap (this is a fork of its owner), or nothing to wait for.
   const std::string how =
-      r == pid_ ? ExitStatus::from_wait_status(status).to_string() : std::string("exited");
+      status->kind != ExitStatus::Kind::kNotStarted ? status->to_string() : std::string("exited");
   const std::string dead = fmt::format("the fork server (PID {}) died ({})", pid_, how);
   if (::getpid() != g_owner) {
     throw SpawnError(dead + "; it belongs to the process that started it, not to this fork");
@@ -287,9 +302,10 @@ std::string ForkServer::replace_dead_zygote() {
         "thread workers or the spawn start method",
         dead, probe::to_string(dirty->verdict)));
   }
-  auto [pid, sock] = fork_zygote();
-  const std::string notice = fmt::format("{}; started a new one (PID {})", dead, pid);
-  pid_ = pid;
+  auto [zygote, sock] = fork_zygote();
+  const std::string notice = fmt::format("{}; started a new one (PID {})", dead, zygote.pid());
+  pid_ = zygote.pid();
+  zygote_ = std::move(zygote);  // the dead one is reaped: nothing to stop
   sock_ = forkguard::detail::UniqueFd(sock);
   exits_.clear();  // its children died with it (PR_SET_PDEATHSIG); nobody waits for their news
   have_reply_ = false;
@@ -414,8 +430,43 @@ std::optional<int> ForkServer::wait_exit(pid_t pid, std::chrono::milliseconds ti
   }
 }
 
-pid_t ForkServer::request(const std::vector<std::string>& fields, int stdout_fd, int stderr_fd,
-                          int extra_fd, UniqueFd* reply_fd) {
+namespace {
+
+// The parent PID in /proc/PID/stat ("PID (comm) state PPID ..."; comm may hold spaces and
+// parentheses), or -1.
+pid_t parent_of(pid_t pid) {
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", static_cast<int>(pid));
+  const UniqueFd fd(::open(path, O_RDONLY | O_CLOEXEC));
+  if (!fd) return -1;
+  char buf[512];
+  const ssize_t n = ::read(fd.get(), buf, sizeof buf - 1);
+  if (n <= 0) return -1;
+  buf[n] = '\0';
+  const char* end = std::strrchr(buf, ')');
+  char state = 0;
+  int ppid = -1;
+  if (end == nullptr || std::sscanf(end + 1, " %c %d", &state, &ppid) != 2) return -1;
+  return ppid;
+}
+
+}  // namespace
+
+// The server reaps a child only once it exited, and only a reaped child's PID can be reused. A
+// pidfd_open() of the PID after the "started" reply may therefore name another process only if
+// the child already exited, was reaped and its PID was taken. That process is no child of the
+// server: the server forks only on a request, and requests are sent under mutex_ (request(),
+// exchange()), held here until the check is done. So a pidfd whose process is, after the open,
+// still the server's child (its PPID; a zombie still counts) names our child: it is kept. Any
+// other is dropped: the child is gone, and its exit report on its way.
+UniqueFd ForkServer::open_child_pidfd(pid_t child) const {
+  UniqueFd fd(static_cast<int>(::syscall(SYS_pidfd_open, child, 0)));
+  if (fd && parent_of(child) != pid_) fd.reset();
+  return fd;
+}
+
+ServerChild ForkServer::request(const std::vector<std::string>& fields, int stdout_fd,
+                                int stderr_fd, int extra_fd) {
   std::lock_guard lock(mutex_);
   int fds[kMaxFds] = {stdout_fd >= 0 ? stdout_fd : 1, stderr_fd >= 0 ? stderr_fd : 2, extra_fd};
   // A zygote found dead (killed, OOM) is reaped and replaced once per request: it failed every
@@ -430,30 +481,34 @@ pid_t ForkServer::request(const std::vector<std::string>& fields, int stdout_fd,
     }
     replace_dead_zygote();
   }
-  UniqueFd fd = std::move(reply_fd_);
+  UniqueFd sent = std::move(reply_fd_);
   if (const auto* started = std::get_if<StartedReply>(&reply_)) {
-    if (reply_fd) *reply_fd = std::move(fd);
-    return started->pid;
+    // The Python server sends the pidfd it opened before it could reap the child; the zygote
+    // sends none, and one is opened here.
+    UniqueFd pidfd = sent ? std::move(sent) : open_child_pidfd(started->pid);
+    if (!pidfd) return ServerChild(started->pid);
+    return ServerChild(started->pid, std::move(pidfd));
   }
   throw SpawnError(fmt::format("the fork server (PID {}) refused: {}", pid_,
                                std::get<ErrorReply>(reply_).message));
 }
 
-pid_t ForkServer::start_entry(const std::string& entry, const RankContext& ctx,
-                              const std::vector<std::string>& env, int stdout_fd, int stderr_fd,
-                              int extra_fd) {
+ServerChild ForkServer::start_entry(const std::string& entry, const RankContext& ctx,
+                                    const std::vector<std::string>& env, int stdout_fd,
+                                    int stderr_fd, int extra_fd) {
   return request(encode(EntryRequest{.name = entry, .ctx = ctx, .env = env}), stdout_fd, stderr_fd,
                  extra_fd);
 }
 
-pid_t ForkServer::start_exec(const std::vector<std::string>& argv,
-                             const std::vector<std::string>& env, int stdout_fd, int stderr_fd) {
+ServerChild ForkServer::start_exec(const std::vector<std::string>& argv,
+                                   const std::vector<std::string>& env, int stdout_fd,
+                                   int stderr_fd) {
   return request(encode(ExecRequest{.argv = argv, .env = env}), stdout_fd, stderr_fd);
 }
 
-pid_t ForkServer::start_call(const std::string& function, int fd, int stdout_fd, int stderr_fd,
-                             UniqueFd* pidfd) {
-  return request(encode(CallRequest{.function = function}), stdout_fd, stderr_fd, fd, pidfd);
+ServerChild ForkServer::start_call(const std::string& function, int fd, int stdout_fd,
+                                   int stderr_fd) {
+  return request(encode(CallRequest{.function = function}), stdout_fd, stderr_fd, fd);
 }
 
 bool register_zygote_function(const char* name, ZygoteFunction fn, const char* file, int line) {

@@ -19,6 +19,7 @@
 
 #include "detail/fd.hpp"
 #include "forkguard/launch/entry.hpp"
+#include "launch/child.hpp"
 #include "launch/zygote_protocol.hpp"
 
 namespace forkguard::launch::detail {
@@ -42,22 +43,21 @@ class ForkServer {
   static std::shared_ptr<ForkServer> attach(pid_t pid, int sock);
 
   // Asks the zygote to fork a rank running `entry`, or to fork+exec argv; `env` is the complete
-  // environment ("K=V"). Returns the rank's PID; throws SpawnError with the zygote's reason.
+  // environment ("K=V"). Returns the rank; throws SpawnError with the zygote's reason.
   // `extra_fd` (optional) travels with an entry request as the rank's third fd.
-  pid_t start_entry(const std::string& entry, const RankContext& ctx,
-                    const std::vector<std::string>& env, int stdout_fd, int stderr_fd,
-                    int extra_fd = -1);
-  pid_t start_exec(const std::vector<std::string>& argv, const std::vector<std::string>& env,
-                   int stdout_fd, int stderr_fd);
+  ServerChild start_entry(const std::string& entry, const RankContext& ctx,
+                          const std::vector<std::string>& env, int stdout_fd, int stderr_fd,
+                          int extra_fd = -1);
+  ServerChild start_exec(const std::vector<std::string>& argv, const std::vector<std::string>& env,
+                         int stdout_fd, int stderr_fd);
 
   // Asks the zygote to fork a child running the zygote function `function` on `fd` (passed to
   // the child; every other fd but stdio is closed there). The child _exits with its result.
-  // `pidfd` (optional): the child's pidfd, when the server sent one with its reply (the Python
-  // server does: opened before it could reap the child), else left empty.
-  pid_t start_call(const std::string& function, int fd, int stdout_fd = -1, int stderr_fd = -1,
-                   forkguard::detail::UniqueFd* pidfd = nullptr);
+  ServerChild start_call(const std::string& function, int fd, int stdout_fd = -1,
+                         int stderr_fd = -1);
 
   int fd() const { return sock_.get(); }
+  int pidfd() const { return zygote_.pidfd(); }  // the zygote's (-1 when attached)
   pid_t pid() const { return pid_; }
   // Exit reports received so far (PID, wait status) for the PIDs `mine` claims; reads what is
   // pending without blocking. Reports nobody has claimed yet stay queued.
@@ -86,14 +86,18 @@ class ForkServer {
 
  private:
   ForkServer(pid_t pid, int sock) : pid_(pid), sock_(sock) {}
-  pid_t request(const std::vector<std::string>& fields, int stdout_fd, int stderr_fd,
-                int extra_fd = -1, forkguard::detail::UniqueFd* reply_fd = nullptr);
+  ServerChild request(const std::vector<std::string>& fields, int stdout_fd, int stderr_fd,
+                      int extra_fd = -1);
   bool read_one(bool block);  // one message: exit reports are queued, a reply is stored
+  // A pidfd for the child the server just said it started; empty unless it surely names that
+  // child. Called under mutex_, before any other request (see the definition).
+  forkguard::detail::UniqueFd open_child_pidfd(pid_t child) const;
   // The zygote's socket is closed: reaps it and forks a new one (said on stderr; the notice is
   // returned), or throws SpawnError saying why it cannot (not the owner, CUDA state here).
   std::string replace_dead_zygote();
 
   pid_t pid_;
+  Child zygote_;  // the zygote this process started (none when attached); never destroyed
   forkguard::detail::UniqueFd sock_;
   bool attached_ = false;               // not ours to replace
   ForkServer* retired_next_ = nullptr;  // the list of stopped servers (stop())

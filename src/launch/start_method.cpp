@@ -63,9 +63,12 @@ StartedRank start_rank(StartMethod method, const Job& job, const RankContext& ct
       auto* server = server_for(job);
       auto flat = detail::flatten(env);
       const int extra = job.rank_fd ? job.rank_fd(ctx.local_rank, ctx.restart_count) : -1;
-      r.pid = job.is_entry()
-                  ? server->start_entry(job.entry, ctx, flat, io.stdout_fd, io.stderr_fd, extra)
-                  : server->start_exec(job.argv, flat, io.stdout_fd, io.stderr_fd);
+      ServerChild started =
+          job.is_entry()
+              ? server->start_entry(job.entry, ctx, flat, io.stdout_fd, io.stderr_fd, extra)
+              : server->start_exec(job.argv, flat, io.stdout_fd, io.stderr_fd);
+      r.pid = started.pid();
+      r.server_child = std::move(started);
       r.via_server = true;
       break;
     }

@@ -48,8 +48,9 @@ ForkServer* server_for(const Job& job);
 
 struct StartedRank {
   pid_t pid = -1;
-  Child child;              // started here (under its reaper); empty for fork-server ranks
-  bool via_server = false;  // its exit comes as the fork server's report
+  Child child;               // started here (under its reaper); empty for fork-server ranks
+  bool via_server = false;   // its exit comes as the fork server's report
+  ServerChild server_child;  // a fork-server rank's handle
 };
 
 // Starts one rank by `method` with `env` as its whole environment and stdio from `io`.

@@ -5,6 +5,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/signalfd.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -42,7 +43,8 @@ struct Rank {
   int local_rank = 0;
   int rank = 0;
   pid_t pid = -1;
-  Child child;  // unless via_server: the zygote's child
+  Child child;               // unless via_server: the zygote's child
+  ServerChild server_child;  // via_server: its handle (a pidfd unless it had exited already)
   bool running = false;
   bool via_server = false;
   bool console = true;
@@ -56,10 +58,15 @@ struct Rank {
 
 using forkguard::detail::SignalCapture;
 
+// A fork-server rank is the server's child, not ours: no Child, and its exit comes as the server's
+// report. Its group gets the signal by id, as in finish() (the id is not reused while any member
+// of the group lives); the rank itself, when that group is not there yet, through its pidfd, which
+// names it even once its PID is reused (nothing when it had exited before one could be opened).
 void signal_group(Rank& r, int sig) {
   if (r.child) return r.child.signal(sig);
   if (r.pid <= 0) return;
-  if (::kill(-r.pid, sig) != 0) ::kill(r.pid, sig);  // not yet its own group leader
+  if (::kill(-r.pid, sig) == 0) return;
+  r.server_child.signal(sig);
 }
 
 class Attempt {
@@ -164,6 +171,7 @@ class Attempt {
       auto child = detail::start_rank(method_, job_, ctx, env, io);
       r.pid = child.pid;
       r.child = std::move(child.child);
+      r.server_child = std::move(child.server_child);
       r.via_server = child.via_server;
       r.running = true;
     }
@@ -184,6 +192,12 @@ class Attempt {
     }
   }
 
+  // The group stop: `sig` to every running rank now, SIGKILL to those left after the grace
+  // (loop()). Not Child::stop(): it blocks for the grace on one child at a time, while this loop
+  // must keep draining the ranks' output pipes (a rank blocked on a full pipe never exits) and
+  // watching the others; and fork-server ranks have no Child. One deadline for the group
+  // (kill_at_) serves both kinds. The ranks' Child handles carry {.signal = SIGKILL}: what their
+  // destructors do when an attempt unwinds (~Attempt).
   void begin_stop(int sig) {
     if (stopping_) return;
     stopping_ = true;

@@ -225,6 +225,29 @@ TEST_F(Child, ARunningChildIsStoppedAndReapedByItsDestructor) {
   EXPECT_FALSE(ft::is_alive(pid));
 }
 
+TEST_F(Child, AForksCopyOfTheHandleLeavesTheChildAlone) {
+  // A process forked after the children started holds copies of their handles (a Python object,
+  // a member of something the fork copied). Replacing or destroying such a copy neither signals
+  // the child (its pidfd still names it there) nor waits for it: only the parent stops it.
+  auto exec = sh("exec sleep 60");
+  auto a = fd::start_child({.exec = &exec, .stop = {.signal = SIGTERM, .grace = 5s}});
+  auto b = fd::start_child({.exec = &exec, .stop = {.signal = SIGTERM, .grace = 5s}});
+  const pid_t a_pid = a.pid(), b_pid = b.pid();
+  const pid_t copy = ::fork();
+  if (copy == 0) {
+    a = fd::Child();                    // replaced
+    { fd::Child gone = std::move(b); }  // destroyed
+    ::_exit(ft::is_alive(a_pid) && ft::is_alive(b_pid) ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(copy, &status, 0), copy);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  for (auto* c : {&a, &b}) {
+    EXPECT_FALSE(c->try_wait().has_value()) << "the fork's copy stopped PID " << c->pid();
+    EXPECT_EQ(c->stop().signal, SIGTERM);
+  }
+}
+
 TEST_F(Child, TheReaperMirrorsTheProgramsExit) {
   for (auto [script, code, sig] :
        {std::tuple{"exit 7", 7, 0}, {"kill -USR1 $$", 0, SIGUSR1}, {"kill -SEGV $$", 0, SIGSEGV}}) {
@@ -277,7 +300,6 @@ TEST_F(Child, WhenItsParentDiesTheReaperKillsTheTree) {
   if (middle == 0) {
     auto exec = sh("setsid sleep 60 & echo $$ $!; exec sleep 60");
     auto c = fd::start_child({.exec = &exec, .stdout_fd = out.w.get(), .reap_tree = true});
-    c.release();
     ::pause();
     ::_exit(0);
   }
@@ -301,7 +323,6 @@ TEST_F(Child, AChildOfTheMainThreadDiesWithItsParent) {
   if (middle == 0) {
     auto exec = sh("echo $$; exec sleep 60");
     auto c = fd::start_child({.exec = &exec, .stdout_fd = out.w.get()});
-    c.release();
     ::pause();
     ::_exit(0);
   }

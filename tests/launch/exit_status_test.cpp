@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/wait.h>
 
 namespace fl = forkguard::launch;
 
@@ -25,4 +26,29 @@ TEST(ExitStatus, FromWaitStatus) {
   auto s = fl::ExitStatus::from_wait_status(SIGSEGV | 0x80);
   EXPECT_EQ(s.signal, SIGSEGV);
   EXPECT_TRUE(s.core_dumped);
+}
+
+TEST(ExitStatus, WaitStatusIsTheExactInverse) {
+  // The fork server reports the wait status of each child it reaps through its Child handle:
+  // every exit code, every signal, with and without a core dump, maps back unchanged.
+  for (int code = 0; code <= 255; ++code) {
+    const int w = fl::ExitStatus::exited(code).wait_status();
+    EXPECT_TRUE(WIFEXITED(w));
+    EXPECT_EQ(WEXITSTATUS(w), code);
+    EXPECT_EQ(fl::ExitStatus::from_wait_status(w).code, code);
+  }
+  for (int sig = 1; sig < SIGRTMAX; ++sig) {
+    if (sig == SIGSTOP || sig == SIGCONT) continue;  // never an exit
+    for (bool core : {false, true}) {
+      const int w = fl::ExitStatus::signaled(sig, core).wait_status();
+      ASSERT_TRUE(WIFSIGNALED(w)) << sig;
+      EXPECT_EQ(WTERMSIG(w), sig);
+      EXPECT_EQ(static_cast<bool>(WCOREDUMP(w)), core);
+      const auto back = fl::ExitStatus::from_wait_status(w);
+      EXPECT_EQ(back.signal, sig);
+      EXPECT_EQ(back.core_dumped, core);
+    }
+  }
+  EXPECT_EQ(fl::ExitStatus::from_wait_status(fl::ExitStatus{}.wait_status()).kind,
+            fl::ExitStatus::Kind::kNotStarted);
 }

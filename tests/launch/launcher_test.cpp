@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -114,6 +115,21 @@ FORKGUARD_ENTRY(list_fds) {
   return 0;
 }
 
+// A zygote function (run in a fork of the fork server): reads an int from its fd; below 256 it is
+// the exit code, above it 256 + a signal to die of (without a core file).
+int exit_as_told(int fd) {
+  int v = 0;
+  if (::read(fd, &v, sizeof v) != static_cast<ssize_t>(sizeof v)) return 99;
+  if (v < 256) return v;
+  rlimit none{0, 0};
+  ::setrlimit(RLIMIT_CORE, &none);
+  ::signal(v - 256, SIG_DFL);  // a sanitizer's handler would turn it into an exit code
+  ::raise(v - 256);
+  return 98;
+}
+[[maybe_unused]] const bool g_exit_as_told =
+    forkguard::launch::detail::register_zygote_function("test.exit_as_told", &exit_as_told);
+
 // ---------------------------------------------------------------- helpers
 
 namespace {
@@ -203,7 +219,8 @@ TEST_F(Launcher, AForkServerKilledUnderALaunchIsNamedAtOnceAndReplaced) {
   // more. The launch ends at once naming the fork server and how it ended; the next launch gets
   // a new one.
   const pid_t zygote = forkguard::launch::detail::ForkServer::get()->pid();
-  const int old_socket = forkguard::launch::detail::ForkServer::get()->fd();
+  const auto* old_server = forkguard::launch::detail::ForkServer::get();
+  const std::vector<int> old_fds = {old_server->fd(), old_server->pidfd()};
   std::thread killer([&] {
     // Once both ranks run under it (their reapers are its children).
     while (ft::children_of(zygote).size() < 2) std::this_thread::sleep_for(5ms);
@@ -234,10 +251,62 @@ TEST_F(Launcher, AForkServerKilledUnderALaunchIsNamedAtOnceAndReplaced) {
   testing::internal::GetCapturedStderr();
   EXPECT_TRUE(again.success());
   EXPECT_NE(forkguard::launch::detail::ForkServer::get()->pid(), zygote);
-  // The new fork server's socket replaces the old one's (TearDown compares the fds).
-  std::replace(fds_before_.begin(), fds_before_.end(), old_socket,
-               forkguard::launch::detail::ForkServer::get()->fd());
+  // The new fork server's socket and pidfd replace the old one's (TearDown compares the fds).
+  const auto* new_server = forkguard::launch::detail::ForkServer::get();
+  std::erase_if(fds_before_, [&](int fd) { return std::ranges::count(old_fds, fd) > 0; });
+  fds_before_.push_back(new_server->fd());
+  fds_before_.push_back(new_server->pidfd());
   std::sort(fds_before_.begin(), fds_before_.end());
+}
+
+TEST_F(Launcher, TheForkServerReportsEveryExitStatusExactly) {
+  // Its children are reaped through their Child handles and reported as the wait status
+  // waitpid() gives: every exit code, signals, and the core-dump flag, which a rank's reaper
+  // reports on its program's behalf (the reaper itself dies without a core).
+  namespace fd = forkguard::launch::detail;
+  auto* server = fd::ForkServer::get();
+  ASSERT_NE(server, nullptr);
+  std::vector<std::pair<fd::ServerChild, int>> started;  // and the wait status expected
+  for (int v = 0; v < 256 + SIGSYS + 1; ++v) {
+    if (v >= 256 && v != 256 + SIGKILL && v != 256 + SIGTERM && v != 256 + SIGSEGV &&
+        v != 256 + SIGABRT && v != 256 + SIGUSR1) {
+      continue;
+    }
+    int sv[2];
+    ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    auto c = server->start_call("test.exit_as_told", sv[1]);
+    ::close(sv[1]);
+    EXPECT_TRUE(c) << "no pidfd for a running child of the fork server";
+    ASSERT_EQ(::write(sv[0], &v, sizeof v), static_cast<ssize_t>(sizeof v));
+    ::close(sv[0]);
+    started.emplace_back(std::move(c), v < 256 ? v << 8 : v - 256);
+  }
+  // A program that dumps core under its reaper (start_exec), against the same program run here.
+  const std::string dumps =
+      fmt::format("cd {} && ulimit -c unlimited && kill -SEGV $$", dir_.path());
+  const pid_t here = ::fork();
+  if (here == 0) {
+    ::execl("/bin/sh", "sh", "-c", dumps.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  int expected_core = 0;
+  ASSERT_EQ(::waitpid(here, &expected_core, 0), here);
+  ASSERT_TRUE(WIFSIGNALED(expected_core));
+  if (!WCOREDUMP(expected_core)) std::printf("note: no core dump here (core_pattern)\n");
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
+  started.emplace_back(server->start_exec({"/bin/sh", "-c", dumps}, env, 1, 2), expected_core);
+  started.emplace_back(server->start_exec({"/bin/sh", "-c", "exit 200"}, env, 1, 2), 200 << 8);
+  for (auto& [c, expected] : started) {
+    auto status = server->wait_exit(c.pid(), 30s);
+    ASSERT_TRUE(status.has_value()) << "no exit report of PID " << c.pid();
+    EXPECT_EQ(*status, expected) << "PID " << c.pid() << ": "
+                                 << fl::ExitStatus::from_wait_status(*status).to_string()
+                                 << ", expected "
+                                 << fl::ExitStatus::from_wait_status(expected).to_string();
+  }
+  // Reported is reaped: the fork server is left with no child, zombie or not.
+  EXPECT_EQ(ft::children_of(server->pid()), std::vector<pid_t>{});
 }
 
 TEST_F(Launcher, EveryStartMethodRunsEntriesWithTheirContext) {

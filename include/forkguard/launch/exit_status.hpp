@@ -21,6 +21,10 @@ struct ExitStatus {
   static ExitStatus exited(int code) { return {Kind::kExited, code, 0, false}; }
   static ExitStatus signaled(int sig, bool core = false) { return {Kind::kSignaled, 0, sig, core}; }
 
+  // The inverse of from_wait_status: the wait status waitpid() gives for it (what the fork
+  // server's "exit PID STATUS" report carries). kNotStarted gives a status that maps back to it.
+  int wait_status() const;
+
   bool success() const { return kind == Kind::kExited && code == 0; }
   // The shell's convention: the code, or 128 + signal.
   int shell_code() const;
