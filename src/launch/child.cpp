@@ -581,6 +581,11 @@ bool ServerChild::signal(int sig) const noexcept {
   return ::syscall(SYS_pidfd_send_signal, pidfd_.get(), sig, nullptr, 0) == 0;
 }
 
+void ServerChild::signal_group(int sig) const noexcept {
+  if (pid_ > 0 && ::kill(-pid_, sig) == 0) return;
+  signal(sig);
+}
+
 bool ServerChild::exited() const noexcept {
   if (!pidfd_) return true;
   pollfd p{pidfd_.get(), POLLIN, 0};

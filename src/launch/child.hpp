@@ -201,6 +201,9 @@ class ServerChild {
 
   // Sends `sig` to the process unless it has exited; whether it was sent.
   bool signal(int sig) const noexcept;
+  // To the process group it leads (a fork-server rank's), by id: a group id is not reused while
+  // any member lives. Where there is no such group (yet), to the process, as signal() does.
+  void signal_group(int sig) const noexcept;
   bool exited() const noexcept;
 
  private:

@@ -64,9 +64,7 @@ using forkguard::detail::SignalCapture;
 // names it even once its PID is reused (nothing when it had exited before one could be opened).
 void signal_group(Rank& r, int sig) {
   if (r.child) return r.child.signal(sig);
-  if (r.pid <= 0) return;
-  if (::kill(-r.pid, sig) == 0) return;
-  r.server_child.signal(sig);
+  r.server_child.signal_group(sig);
 }
 
 class Attempt {
