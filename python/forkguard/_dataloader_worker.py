@@ -12,6 +12,7 @@ from (seed, epoch, index), whatever worker makes it.
 """
 import hashlib
 import multiprocessing
+import operator
 import os
 import pickle
 import random
@@ -27,19 +28,32 @@ from . import _batch_codec, _native, _torch_compat
 from ._native import _JobBodyResult, _JobKind
 
 
-MAX_SUBSTITUTES = 16
+MAX_SUBSTITUTES = _native.MAX_SUBSTITUTES  # the C++ loader's default
+_MASK = (1 << 64) - 1
+
+
+def _key(index):
+    """A sample's index as the 64-bit integer the C++ functions take: an integer (anything with
+    __index__) modulo 2**64, anything else the blake2b of its repr (not hash(), which is salted
+    per process for strings)."""
+    try:
+        return operator.index(index) & _MASK
+    except TypeError:
+        return int.from_bytes(hashlib.blake2b(repr(index).encode(), digest_size=8).digest(),
+                              "little")
 
 
 def sample_seed(seed, epoch, index):
     """The seed of one sample under DataLoader(seed=...): a function of (seed, epoch, index) only,
-    the same in every process (not hash(), which is salted per process for strings)."""
-    key = index if isinstance(index, int) else int.from_bytes(
-        hashlib.blake2b(repr(index).encode(), digest_size=8).digest(), "little")
-    mask = (1 << 64) - 1
-    x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + key) & mask
-    for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):  # splitmix64
-        x = ((x ^ (x >> shift)) * mult) & mask
-    return x ^ (x >> 31)
+    the same in every process, and the C++ loader's (sample_key in forkguard/data/rng.hpp) for
+    the same seed, epoch and integer index."""
+    return _native.sample_key(seed & _MASK, epoch & _MASK, _key(index))
+
+
+def substitute_index(seed, epoch, index, attempt, size):
+    """bad_sample="skip": the attempt-th sample (from 0) that replaces the failed sample `index`
+    of a dataset of `size` samples; the C++ loader's (substitute_index in rng.hpp)."""
+    return _native.substitute_index(seed & _MASK, epoch & _MASK, _key(index), attempt, size)
 
 
 def seed_everything(s, cpu_only=False):
@@ -81,9 +95,9 @@ def restore_generators(states):
 class SampleGuard:
     """A map-style dataset as DataLoader(seed=, bad_sample=) sees it: the generators seeded before
     each sample from (seed, epoch, index); a sample that raises replaced (bad_sample="skip") by
-    another chosen from (seed, epoch, index, attempt), said once per index on stderr and recorded
-    in `skipped` (index, substitute, reason) for the loader's stats. `cpu_only`: see
-    seed_everything."""
+    the substitutes the C++ loader would try for the same (seed, epoch, index), one after another
+    until one loads, each failure said once per index on stderr and recorded in `skipped` (index,
+    substitute, reason) for the loader's stats. `cpu_only`: see seed_everything."""
 
     def __init__(self, dataset, seed, epoch, bad_sample, cpu_only=False):
         self.dataset, self.seed, self.epoch, self.bad_sample = dataset, seed, epoch, bad_sample
@@ -92,7 +106,7 @@ class SampleGuard:
         self.said = set()
 
     def __getitem__(self, index):
-        chosen = index
+        chosen, size = index, None
         for attempt in range(MAX_SUBSTITUTES + 1):
             if self.seed is not None:
                 seed_everything(sample_seed(self.seed, self.epoch, chosen), self.cpu_only)
@@ -102,8 +116,12 @@ class SampleGuard:
                 if self.bad_sample != "skip":
                     raise
                 reason = f"{type(e).__name__}: {e}"
-                substitute = sample_seed(self.seed or 0, self.epoch, (index, attempt + 1)) % \
-                    len(self.dataset)
+                if size is None:
+                    size = len(self.dataset)
+                if attempt == MAX_SUBSTITUTES or size < 2:
+                    break
+                # every substitute from the failed index (not from the last substitute), as in C++
+                substitute = substitute_index(self.seed or 0, self.epoch, index, attempt, size)
                 self.skipped.append((index, substitute, reason))
                 if chosen not in self.said:
                     self.said.add(chosen)
@@ -111,6 +129,9 @@ class SampleGuard:
                           f"replaced by sample {substitute} (bad_sample='skip')",
                           file=sys.stderr, flush=True)
                 chosen = substitute
+        if size < 2:
+            raise RuntimeError(f"forkguard.DataLoader: sample {index!r} failed and the dataset has "
+                               f"no other sample to replace it (bad_sample='skip'): {reason}")
         raise RuntimeError(f"forkguard.DataLoader: sample {index!r} and {MAX_SUBSTITUTES} "
                            f"substitutes for it all failed (bad_sample='skip'); the last: "
                            f"{reason}")

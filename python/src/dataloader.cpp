@@ -21,6 +21,8 @@
 
 #include "data/job_workers.hpp"
 #include "forkguard/data/error.hpp"
+#include "forkguard/data/loader.hpp"
+#include "forkguard/data/rng.hpp"
 #include "launch/fork_server.hpp"
 
 namespace py = pybind11;
@@ -190,6 +192,24 @@ struct Queue {
 
 void bind_dataloader(py::module_& m) {
   using forkguard::launch::ExitStatus;
+  namespace fd = forkguard::data;
+
+  // DataLoader(seed=, bad_sample="skip") draws from the C++ loader's functions, not copies of
+  // them: the same seed gives the same per-sample seeds and the same substitutes in both.
+  m.def(
+      "sample_key",
+      [](uint64_t seed, uint64_t epoch, uint64_t index, uint64_t stream) {
+        return fd::sample_key(seed, epoch, index, stream);
+      },
+      py::arg("seed"), py::arg("epoch"), py::arg("index"), py::arg("stream") = 0,
+      "The 64-bit key of (seed, epoch, index, stream): with stream 0, a sample's seed "
+      "(forkguard/data/rng.hpp).");
+  m.def("substitute_index", &fd::substitute_index, py::arg("seed"), py::arg("epoch"),
+        py::arg("index"), py::arg("attempt"), py::arg("size"),
+        "bad_sample='skip': the attempt-th sample (from 0) that replaces the failed sample "
+        "`index` of a dataset of `size` samples; never `index` itself when size > 1 "
+        "(forkguard/data/rng.hpp).");
+  m.attr("MAX_SUBSTITUTES") = fd::kDefaultMaxSubstitutes;
 
   py::enum_<fdd::JobKind>(m, "_JobKind")
       .value("OK", fdd::JobKind::kOk)

@@ -191,9 +191,8 @@ TaskResult Producer::run(uint64_t epoch, const std::vector<size_t>& indices, std
         bool replaced = false;
         for (size_t attempt = 0; attempt < config_.max_substitutes && !replaced && n > 1;
              ++attempt) {
-          size_t sub = static_cast<size_t>(sample_key(config_.seed, epoch, index, 1000 + attempt) %
-                                           static_cast<uint64_t>(n));
-          if (sub == index) continue;
+          const auto sub =
+              static_cast<size_t>(substitute_index(config_.seed, epoch, index, attempt, n));
           try {
             one(epoch, sub, pos, slot, out, r);
             r.skipped.push_back({pos, index, dataset_.key(index), why, sub});

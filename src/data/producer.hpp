@@ -19,7 +19,7 @@ namespace forkguard::data::detail {
 struct ProducerConfig {
   uint64_t seed = 0;
   BadSample bad_sample = BadSample::kError;
-  size_t max_substitutes = 16;
+  size_t max_substitutes = kDefaultMaxSubstitutes;
   SlotLayout layout{};
   bool check_cuda = false;  // process workers: stop when this process gains CUDA state
 };

@@ -24,6 +24,7 @@
 #include "detail/fnv.hpp"
 #include "forkguard/cuda/driver.hpp"
 #include "forkguard/data/image_folder.hpp"
+#include "forkguard/data/rng.hpp"
 #include "forkguard/init.hpp"
 #include "launch/fork_server.hpp"
 #include "paths.hpp"
@@ -308,6 +309,12 @@ TEST(Loader, SkipSubstitutesDeterministicallyRecordsAndLogsOnce) {
           EXPECT_EQ(b->indices()[s.position], s.index);  // the batch says which index it was
           EXPECT_EQ(b->key(s.position), fmt::format("synthetic/{:08}", s.substitute));
           EXPECT_NE(s.substitute, s.index);
+          // the first substitute_index() that is not a bad sample itself
+          uint64_t attempt = 0, first = 0;
+          do {
+            first = fd::substitute_index(3, b->epoch(), s.index, attempt++, 40);
+          } while (first == 13 || first == 27);
+          EXPECT_EQ(s.substitute, first);
         }
       }
     }

@@ -10,11 +10,13 @@ checks that nothing is left behind (processes tagged by this test's marker, /dev
     dropped mid-epoch, the interpreter's exit with a live or a failed iterator;
   - transport: the batches view the worker's memfd slot, nothing goes through /dev/shm (even a
     small or read-only one, where torch's loader dies of a bus error);
-  - determinism with seed= for any num_workers and worker_start;
+  - determinism with seed= for any num_workers and worker_start; the per-sample seeds and
+    bad_sample="skip"'s substitutes the C++ loader's (forkguard.ImageLoader's) for the same seed;
   - pin_memory: slots page-locked once by the driver, the batch handed out is the slot;
   - an IterableDataset sharded by get_worker_info() with persistent workers;
   - resume from state_dict() mid-pass, map-style and iterable (stateful or replayed).
 """
+import hashlib
 import json
 import os
 import re
@@ -27,7 +29,7 @@ import time
 import uuid
 
 import pytest
-from conftest import marked_pids
+from conftest import make_images, marked_pids
 
 import forkguard
 
@@ -1461,6 +1463,103 @@ def test_seed_leaves_the_training_loops_generators_alone_and_orders_by_seed_and_
     assert draws0 == r["plain"][1]
     assert [d[1:] for d in draws0] == r["alone"]
     assert runs["0-0"][1] == runs["0-1"][1] == runs["0-3"][1] == runs["0-3p"][1]
+
+
+def test_seed_and_substitutes_are_the_cpp_loaders():
+    # The same literals as tests/data/rng_test.cpp pins for sample_key and substitute_index: one
+    # definition, in C++, which forkguard.DataLoader calls.
+    import numpy as np
+
+    from forkguard import _dataloader_worker as w
+    from forkguard import _native
+
+    for (seed, epoch, index), key in {(0, 0, 0): 0x2130748AAAC80268,
+                                      (1, 2, 3): 0x12588D809DCE88A7,
+                                      (1234, 5, 17): 0xA8D5176972F214D3,
+                                      (2**64 - 1, 7, 2**40): 0xE254A2F289F68412}.items():
+        assert w.sample_seed(seed, epoch, index) == _native.sample_key(seed, epoch, index) == key
+    # a user's seed (or index) taken modulo 2**64, as the C++ loader's uint64_t takes it
+    assert w.sample_seed(-1, 7, 2**40) == 0xE254A2F289F68412
+    assert w.sample_seed(2**64 + 1, 2, 3 - 2**64) == 0x12588D809DCE88A7
+    # an integer of another type is that integer; anything else goes by the blake2b of its repr
+    assert w.sample_seed(1, 2, np.int64(3)) == 0x12588D809DCE88A7
+    assert w.sample_seed(5, 1, "sampler order") == _native.sample_key(5, 1, int.from_bytes(
+        hashlib.blake2b(b"'sampler order'", digest_size=8).digest(), "little"))
+    # seed 3, epoch 0, sample 13 of 40: the sixth draw is 13 itself, passed over
+    assert [w.substitute_index(3, 0, 13, a, 40) for a in range(6)] == [32, 27, 21, 18, 4, 33]
+    assert w.MAX_SUBSTITUTES == _native.MAX_SUBSTITUTES == 16
+
+
+BAD_SAMPLES = '''
+class Bad(Dataset):
+    def __init__(self, bad):
+        self.bad = bad
+
+    def __len__(self):
+        return 26
+
+    def __getitem__(self, i):
+        if i in self.bad:
+            raise ValueError(f"sample {i} is corrupt")
+        return i
+
+
+def main(seed, epoch, bad):
+    seed, epoch, bad = int(seed), int(epoch), set(json.loads(bad))
+    got = {}
+    for n, start in ((0, ""), (2, "fork"), (2, "server")):
+        kw = {"worker_start": start} if n else {}
+        loader = forkguard.DataLoader(Bad(bad), batch_size=13, num_workers=n, seed=seed,
+                                      bad_sample="skip", **kw)
+        loader.set_epoch(epoch)
+        got[f"{n}{start}"] = ([x for b in loader for x in b.tolist()],
+                              loader.stats["epochs"][-1]["skipped"])
+    try:
+        next(iter(forkguard.DataLoader(Bad(set(range(26))), batch_size=2, seed=seed,
+                                       bad_sample="skip")))
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    result(got=got, error=error)
+
+
+main(*sys.argv[1:])
+'''
+
+
+def test_bad_sample_skip_picks_the_cpp_loaders_substitutes(script, tmp_path):
+    # An ImageFolder of 26 (3 classes of 8, and a corrupt file in each of the first two: samples 8
+    # and 17), and a seed whose first substitute for sample 8 is the other bad one: the C++
+    # loader goes on to the second, and so must forkguard.DataLoader over a dataset of 26 whose
+    # samples 8 and 17 raise.
+    from forkguard import _dataloader_worker as w
+
+    root = make_images(tmp_path / "images", corrupt=True)
+    (root / "class0" / "img98_bad.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    epoch, bad = 3, [8, 17]
+    seed = next(s for s in range(10**4) if w.substitute_index(s, epoch, 8, 0, 26) == 17 and
+                w.substitute_index(s, epoch, 8, 1, 26) != 17 and
+                w.substitute_index(s, epoch, 17, 0, 26) != 8)
+    with forkguard.ImageLoader(root, batch_size=13, workers=2, train=False, size=16, resize=16,
+                               dtype="uint8", bad_sample="skip", seed=seed) as loader:
+        loader.set_epoch(epoch)
+        skipped = [s for images, _ in loader for s in images.skipped]
+        assert loader.stats()["skipped"] == 2
+    assert [(s["index"], s["key"].endswith("_bad.jpg")) for s in skipped] == [(8, True),
+                                                                             (17, True)]
+    cpp = {s["index"]: s["substitute"] for s in skipped}
+    assert cpp == {8: w.substitute_index(seed, epoch, 8, 1, 26),
+                   17: w.substitute_index(seed, epoch, 17, 0, 26)}
+
+    out, r = script(BAD_SAMPLES, args=[seed, epoch, json.dumps(bad)])
+    expected = [cpp.get(i, i) for i in range(26)]
+    # one skip record per failure: sample 8's first substitute failed too
+    assert r["got"] == {"0": [expected, 3], "2fork": [expected, 3], "2server": [expected, 3]}
+    assert (f"forkguard.DataLoader: sample 8 failed (ValueError: sample 8 is corrupt); replaced "
+            f"by sample 17 (bad_sample='skip')") in out.stderr, out.stderr
+    assert r["error"] == ("forkguard.DataLoader: sample 0 and 16 substitutes for it all failed "
+                          "(bad_sample='skip'); the last: ValueError: sample "
+                          f"{w.substitute_index(seed, 0, 0, 15, 26)} is corrupt")
 
 
 # --- 6. IterableDataset -----------------------------------------------------------------------

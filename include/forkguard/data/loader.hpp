@@ -52,6 +52,9 @@ enum class WorkerKind { kThread, kProcess };
 // transform describe() themselves, else a guarded fork.
 enum class ProcessStart { kAuto, kForkServer, kFork };
 enum class BadSample { kError, kSkip };
+// BadSample::kSkip: how many substitutes (substitute_index in rng.hpp) are tried by default before
+// a sample is given up on; forkguard.DataLoader's too (forkguard._native.MAX_SUBSTITUTES).
+inline constexpr size_t kDefaultMaxSubstitutes = 16;
 enum class Delivery { kInOrder, kAsReady };
 
 // Given to the worker init hook, once per worker.
@@ -92,7 +95,8 @@ struct LoaderOptions {
   // long as it takes.
   std::chrono::milliseconds start_timeout{std::chrono::seconds(60)};
   BadSample bad_sample = BadSample::kError;  // raise, or substitute and record
-  size_t max_substitutes = 16;               // skip: tries before giving up on a sample
+  // skip: tries before giving up on a sample
+  size_t max_substitutes = kDefaultMaxSubstitutes;
   uint64_t seed = 0;                         // all randomness derives from it
   bool shuffle = false;                      // RandomSampler(seed) instead of sequential
   bool distributed = false;                  // shard by RANK/WORLD_SIZE (DistributedSampler)

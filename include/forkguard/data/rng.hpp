@@ -22,9 +22,29 @@ constexpr uint64_t mix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// A 64-bit key for (seed, epoch, index, stream); distinct tuples give unrelated keys.
+// A 64-bit key for (seed, epoch, index, stream); distinct tuples give unrelated keys. With
+// stream 0 it is a sample's seed: Rng(seed, epoch, index) here, and forkguard.DataLoader(seed=)'s
+// per-sample seed in Python (forkguard._native.sample_key), so both draw from the same key.
 constexpr uint64_t sample_key(uint64_t seed, uint64_t epoch, uint64_t index, uint64_t stream = 0) {
   return mix64(mix64(mix64(mix64(seed) ^ epoch) ^ index) ^ stream);
+}
+
+// The streams of sample_key that bad_sample="skip" draws substitutes from.
+inline constexpr uint64_t kSubstituteStream = 1000;
+
+// bad_sample="skip"'s choice: the attempt-th sample (attempt 0 first) that takes the place of the
+// failed sample `index` in a dataset of `size` samples, a pure function of (seed, epoch, index,
+// attempt), the same in the C++ loader and in forkguard.DataLoader (forkguard._native). Each
+// attempt is a sample other than `index` (`index` itself only where size < 2: there is no other):
+// the draws sample_key(seed, epoch, index, kSubstituteStream + k) % size, k = 0, 1, ..., with
+// those equal to `index` passed over. That ends: sample_key is a bijection of its stream.
+constexpr uint64_t substitute_index(uint64_t seed, uint64_t epoch, uint64_t index, uint64_t attempt,
+                                    uint64_t size) {
+  if (size < 2) return index;
+  for (uint64_t stream = kSubstituteStream;; ++stream) {
+    const uint64_t sub = sample_key(seed, epoch, index, stream) % size;
+    if (sub != index && attempt-- == 0) return sub;
+  }
 }
 
 class Rng {
