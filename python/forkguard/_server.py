@@ -4,16 +4,14 @@
 #
 #   python3 _server.py FD PRELOAD_JSON SYS_PATH_JSON
 #
-# FD is an AF_UNIX SOCK_SEQPACKET socket whose other end the caller holds. The wire format is the
-# C++ fork server's (src/launch/zygote_protocol.hpp, src/detail/seqpacket.hpp): each message is a
-# list of fields, each a native-endian u32 length and its bytes, with up to 3 fds by SCM_RIGHTS.
-# The supervisor in the caller (launch/supervisor.hpp, through ForkServer::attach) drives it:
-#   caller -> server  entry NAME RANK LOCAL WORLD LOCAL_WORLD NODE RESTART NARGS ARGS... ENV...
-#                     + fds [stdout, stderr, memfd]  (NAME "notebook", ARGS [cwd, sys.path JSON])
-#   server -> caller  started PID | error MESSAGE
-#   server -> caller  exit PID STATUS                (the raw wait status, once per rank)
-# and, from notebook_launch's own Python code:
-#   server -> caller  ready PID PRELOADED_JSON ERRORS_JSON
+# FD is an AF_UNIX SOCK_SEQPACKET socket whose other end the caller holds. Once the modules are
+# preloaded, the native layer serves it (_native.serve_zygote, python/src/process.cpp): it
+# receives and decodes every request (src/detail/seqpacket.hpp; `entry` and `call` typed, as
+# src/launch/zygote_protocol.hpp defines them), calls the handler of that name here (_HANDLERS),
+# holds and reaps the child a handler started, and encodes every reply. What each request is:
+#   caller -> server  entry notebook RANK LOCAL WORLD LOCAL_WORLD NODE RESTART 2 CWD SYS_PATH_JSON
+#                     ENV... + fds [stdout, stderr, memfd]   (the supervisor: a notebook rank)
+#   server -> caller  ready PID PRELOADED_JSON ERRORS_JSON   (first, once)
 #   caller -> server  preload MODULES_JSON  ->  preloaded PRELOADED_JSON ERRORS_JSON
 #   caller -> server  hold_fds + fds  ->  held COUNT     (the fds a launch's arguments carry:
 #                     multiprocessing's Connections, Queues' pipes; every rank forked until
@@ -25,16 +23,17 @@
 #                     finds them where a forkserver child does; the spec names KEY)
 #   caller -> server  dataloader_release KEY  ->  released
 #   caller -> server  call forkguard.dataloader_worker + fds [stdout, stderr, socket]
-#                     ->  started PID + its pidfd | error MESSAGE, then exit PID
 # and from forkguard.guard() (_guard_child.py, _guard_reroute.py):
-#   caller -> server  guard_start NAME + fds  ->  guard_started PID + its pidfd | error MESSAGE,
-#                     then exit PID
-# EOF on FD (the caller exited or closed it): every rank's group is killed, the server exits.
+#   caller -> server  guard_start NAME + fds
+# A request that starts a child is answered `started PID` with the child's pidfd attached (opened
+# before the child could be reaped), or `error MESSAGE`; `exit PID STATUS` (the raw wait status)
+# follows once it exited. EOF on FD (the caller exited or closed it): every child is killed (a
+# rank with its group), the server exits.
 #
 # Every child is started by the native layer (_native.start_python_child: launch/child.cpp's
-# start_child, forkguard's one fork site) and held by its handle, which reaps it: it dies with
-# the server (PR_SET_PDEATHSIG), its stop signals are at their defaults. A DataLoader worker and a
-# rerouted Process stay in the caller's process group (as forked ones would).
+# start_child, forkguard's one fork site): it dies with the server (PR_SET_PDEATHSIG), its stop
+# signals are at their defaults. A DataLoader worker and a rerouted Process stay in the caller's
+# process group (as forked ones would).
 #
 # A rank: its own process group (killed as a group when the server exits), the environment
 # the supervisor built (the same as a command rank's), the caller's working directory and
@@ -46,43 +45,12 @@
 import json
 import os
 import pickle
-import select
 import signal
-import socket
 import struct
 import sys
 
-_MAX_FDS = 253  # SCM_MAX_FD: a guard_start request carries its child's DupFds
-_MAX_MESSAGE = 4 << 20
 RESULT_MAGIC = b"FGRESULT"
 _HEADER = struct.Struct("=8sQ")
-
-
-def encode(fields):
-    out = bytearray()
-    for f in fields:
-        b = f if isinstance(f, bytes) else str(f).encode()
-        out += struct.pack("=I", len(b)) + b
-    return bytes(out)
-
-
-def decode(data):
-    fields, pos = [], 0
-    while pos + 4 <= len(data):
-        (n,) = struct.unpack_from("=I", data, pos)
-        pos += 4
-        if pos + n > len(data):
-            break
-        fields.append(data[pos:pos + n].decode(errors="surrogateescape"))
-        pos += n
-    return fields
-
-
-def send(sock, fields, fds=()):
-    if fds:
-        socket.send_fds(sock, [encode(fields)], list(fds))
-    else:
-        sock.sendmsg([encode(fields)])
 
 
 def _preload(modules):
@@ -182,16 +150,16 @@ def _start_child(fn, out_fd, err_fd, close, **options):
         os.close(err_fd)
 
 
-def _rank_main(fields, memfd):
-    """Runs in the forked rank; never returns."""
+def _rank_main(args, env, memfd):
+    """Runs in the forked rank; never returns. `args`: [cwd, sys.path as JSON]; `env`: the
+    rank's whole environment ("K=V")."""
     code = 1
     try:
         _child_setup()
         sys.stdout.reconfigure(line_buffering=True)
         sys.stderr.reconfigure(line_buffering=True)
-        nargs = int(fields[8])
-        cwd, path = fields[9], json.loads(fields[10])
-        env = dict(kv.split("=", 1) for kv in fields[9 + nargs:] if "=" in kv)
+        cwd, path = args[0], json.loads(args[1])
+        env = dict(kv.split("=", 1) for kv in env if "=" in kv)
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
@@ -307,9 +275,85 @@ def _release_held():
         os.close(_held_fds.pop())
 
 
+def _notebook_rank(fds, own, *, name, args, env, **context):
+    """An `entry notebook` request (args: [cwd, sys.path as JSON]): a rank in its own process
+    group. Not under a reaper as a rank of the C++ fork server is (what it started would end
+    with it): the reaper is another fork of this interpreter, 22 ms a rank with torch 2.14
+    preloaded."""
+    if name != "notebook" or len(fds) != 3 or len(args) != 2:
+        for f in fds:
+            os.close(f)
+        return (f"the Python fork server cannot start entry {name!r} (it starts notebook_launch "
+                f"ranks only)")
+    out_fd, err_fd, memfd = fds
+    try:
+        return _start_child(lambda: _rank_main(args, env, memfd), out_fd, err_fd,
+                            (*own, *_dataloader_held()), name="a notebook rank")
+    finally:
+        os.close(memfd)
+
+
+def _dataloader_worker(fds, own, *, function):
+    if len(fds) != 3:
+        for f in fds:
+            os.close(f)
+        return f"{function}: it takes stdout, stderr and the loader's socket"
+    return _start_dataloader_worker(fds, (*own, *_held_fds))
+
+
+def _guard_start(fds, own, *, name):  # forkguard.guard(): see _guard_child.py
+    return _guard_child().start(fds, (*own, *_held_fds, *_dataloader_held()), _start_child)
+
+
+def _hold_fds(fds, own):
+    _release_held()
+    _held_fds.extend(fds)
+    return "held", {"count": len(fds)}
+
+
+def _release_fds(fds, own):
+    _release_held()
+    return "released", {}
+
+
+def _dataloader_hold(fds, own, *, key):
+    for f in _dataloader_fds.pop(key, ()):
+        os.close(f)
+    _dataloader_fds[key] = list(fds)
+    return "held", {"count": len(fds)}
+
+
+def _dataloader_release(fds, own, *, key):
+    for f in _dataloader_fds.pop(key, ()):
+        os.close(f)
+    return "released", {}
+
+
+def _preload_request(fds, own, *, modules):
+    done, errors = _preload(json.loads(modules))
+    return "preloaded", {"preloaded": json.dumps(done), "errors": json.dumps(errors)}
+
+
+# The requests this server serves, by their kind (a `call`: by its function). The native loop
+# decodes each (typed: zygote_protocol.hpp) and calls handler(fds, own, **its fields): `fds` came
+# with it (the handler closes them), `own` are the loop's fds, which no child may keep. A handler
+# returns the ChildProcess it started (the loop holds and reaps it, and replies), a str (the
+# error reply), or a reply as (kind, {fields}).
+_HANDLERS = {
+    "entry": _notebook_rank,
+    "forkguard.dataloader_worker": _dataloader_worker,
+    "guard_start": _guard_start,
+    "hold_fds": _hold_fds,
+    "release_fds": _release_fds,
+    "dataloader_hold": _dataloader_hold,
+    "dataloader_release": _dataloader_release,
+    "preload": _preload_request,
+}
+
+
 def main():
-    sock = socket.socket(fileno=int(sys.argv[1]))
-    os.set_inheritable(sock.fileno(), False)
+    sock = int(sys.argv[1])
+    os.set_inheritable(sock, False)
     preload = json.loads(sys.argv[2])
     caller_path = json.loads(sys.argv[3])
     if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
@@ -319,104 +363,15 @@ def main():
             sys.path.append(p)
     # Ctrl-C in a terminal reaches the whole foreground group: the caller decides, not us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
     import cloudpickle  # noqa: F401 - every rank needs it: load it once here
 
     done, errors = _preload(preload)
-    send(sock, ["ready", os.getpid(), json.dumps(done), json.dumps(errors)])
-    children = {}  # PID -> ChildProcess: the ranks, DataLoader workers and rerouted Processes
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    poller.register(wake_r, select.POLLIN)
-    try:
-        while True:
-            for fd, _ in poller.poll():
-                if fd == wake_r:
-                    try:
-                        while os.read(wake_r, 256):
-                            pass
-                    except BlockingIOError:
-                        pass
-                    continue
-                data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, _MAX_FDS)
-                if not data:
-                    return
-                fields = decode(data)
-                op = fields[0] if fields else ""
-                # What a child must not hold: this server's own fds, and its siblings' pidfds.
-                own = (sock.fileno(), wake_r, wake_w, *(c.pidfd for c in children.values()))
-                child = None
-                if op == "entry" and fields[1] == "notebook" and len(fds) == 3 and \
-                        len(fields) >= 11 and int(fields[8]) == 2:
-                    # A rank: its own process group. Not under a reaper as a rank of the C++
-                    # fork server is (what it started would end with it): the reaper is another
-                    # fork of this interpreter, 22 ms a rank with torch 2.14 preloaded.
-                    out_fd, err_fd, memfd = fds
-                    child = _start_child(lambda: _rank_main(fields, memfd), out_fd, err_fd,
-                                         (*own, *_dataloader_held()), name="a notebook rank")
-                    os.close(memfd)
-                elif op == "call" and len(fields) == 2 and len(fds) == 3 and \
-                        fields[1] == "forkguard.dataloader_worker":
-                    child = _start_dataloader_worker(fds, (*own, *_held_fds))
-                elif op == "guard_start":  # forkguard.guard(): see _guard_child.py
-                    child = _guard_child().start(fds, (*own, *_held_fds, *_dataloader_held()),
-                                                 _start_child)
-                if child is not None:
-                    if isinstance(child, str):
-                        send(sock, ["error", child])
-                    elif op == "entry":
-                        children[child.pid] = child
-                        send(sock, ["started", child.pid])
-                    else:
-                        # With its pidfd: the caller signals it by that, never by a PID that a
-                        # later process may have once this loop reaped it.
-                        children[child.pid] = child
-                        send(sock, ["guard_started" if op == "guard_start" else "started",
-                                    child.pid], [child.pidfd])
-                elif op == "hold_fds":
-                    _release_held()
-                    _held_fds.extend(fds)
-                    send(sock, ["held", len(fds)])
-                elif op == "release_fds":
-                    _release_held()
-                    send(sock, ["released"])
-                elif op == "dataloader_hold" and len(fields) == 2:
-                    for f in _dataloader_fds.pop(fields[1], ()):
-                        os.close(f)
-                    _dataloader_fds[fields[1]] = list(fds)
-                    send(sock, ["held", len(fds)])
-                elif op == "dataloader_release" and len(fields) == 2:
-                    for f in _dataloader_fds.pop(fields[1], ()):
-                        os.close(f)
-                    send(sock, ["released"])
-                elif op == "preload":
-                    done, errors = _preload(json.loads(fields[1]))
-                    send(sock, ["preloaded", json.dumps(done), json.dumps(errors)])
-                else:
-                    for f in fds:
-                        os.close(f)
-                    what = f"entry {fields[1]!r}" if op == "entry" and len(fields) > 1 else op
-                    send(sock, ["error", f"the Python fork server cannot start {what or 'that'}"
-                                         " (it starts notebook_launch ranks only)"])
-            # Reap after every wake-up: SIGCHLD only says "at least one".
-            for pid, child in list(children.items()):
-                status = child.wait_status
-                if status is None:
-                    continue
-                del children[pid]
-                try:
-                    send(sock, ["exit", pid, status])
-                except OSError:
-                    return
-    finally:
-        # Ranks by their group (what they started in it goes too; their reapers take the rest),
-        # DataLoader workers and rerouted Processes (in the caller's group) by their pidfd.
-        for child in children.values():
-            child.kill()
-        for child in children.values():
-            child.wait()
+    global _native
+    from forkguard import _native as native  # the package skips its start-up here
+
+    _native = native
+    _native.serve_zygote(sock, {"pid": os.getpid(), "preloaded": json.dumps(done),
+                                "errors": json.dumps(errors)}, _HANDLERS)
 
 
 if __name__ == "__main__":

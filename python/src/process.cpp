@@ -24,8 +24,21 @@
 // A handle copied into a forked child (a fork of its owner) does nothing there: its process is
 // the owner's to signal and reap.
 //
+// serve_zygote: the interpreter fork server's loop (python/forkguard/_server.py hands it its socket
+// once it has preloaded). It sends `ready`, then serves requests until EOF: an `entry` or `call`
+// request (launch/zygote_protocol.hpp) is decoded here, typed, and given to the handler named
+// "entry" (with an EntryRequest) or named after the call's function; any other request to the
+// handler named after its first field, with the rest. A handler gets (request, fds, own): the fds
+// that came with it (it closes them) and this loop's own fds, which a child must not keep (the
+// socket, the other children's pidfds). It returns a ChildProcess it started (held and reaped
+// here, replied as `started PID` with its pidfd, and `exit PID STATUS` once it exited), a str (an
+// `error` reply), a list of reply fields, or None. At EOF every child left is killed and reaped.
+//
+//   _native.serve_zygote(sock.fileno(), ["ready", ...], {"entry": rank, "preload": preload, ...})
+//
 // Thread-safety: one handle per owner; wait() releases the GIL. start_python_child must be
-// called by a thread holding the GIL, like os.fork.
+// called by a thread holding the GIL, like os.fork; so must serve_zygote, which releases it while
+// it waits.
 #include <Python.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -35,15 +48,20 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <fmt/format.h>
+
 #include <chrono>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "detail/deadline.hpp"
 #include "detail/fd.hpp"
+#include "detail/seqpacket.hpp"
 #include "forkguard/error.hpp"
 #include "launch/child.hpp"
+#include "launch/zygote_protocol.hpp"
 
 namespace py = pybind11;
 namespace fl = forkguard::launch;
@@ -168,6 +186,228 @@ std::unique_ptr<ChildProcess> start_python_child(py::function fn, int stdout_fd,
   return std::make_unique<ChildProcess>(std::move(child));
 }
 
+void send_or_throw(int sock, const std::vector<std::string>& fields, const int* fds = nullptr,
+                   int nfds = 0) {
+  if (!forkguard::detail::send_message(sock, fields, fds, nfds)) {
+    throw forkguard::SystemError("the fork server's reply", errno);
+  }
+}
+
+// A field as str, undecodable bytes kept as os.fsdecode keeps them (an environment may hold any).
+py::object text(const std::string& field) {
+  PyObject* s =
+      PyUnicode_DecodeUTF8(field.data(), static_cast<Py_ssize_t>(field.size()), "surrogateescape");
+  if (s == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(s);
+}
+
+py::list texts(const std::vector<std::string>& fields) {
+  py::list out;
+  for (const auto& f : fields) out.append(text(f));
+  return out;
+}
+
+void close_all(const std::vector<int>& fds) {
+  for (int fd : fds) ::close(fd);
+}
+
+// A message's fields as a handler's keyword arguments (name -> value).
+class ToKeywords {
+ public:
+  py::dict out;
+  void operator()(const char* name, const std::string& v) { out[name] = text(v); }
+  template <forkguard::detail::Number T>
+  void operator()(const char* name, T v, forkguard::detail::Bounds<T> = {}) {
+    out[name] = v;
+  }
+  void operator()(const char* name, const std::vector<std::string>& v, size_t = 0) {
+    out[name] = texts(v);
+  }
+  void rest(const char* name, const std::vector<std::string>& v) { out[name] = texts(v); }
+};
+
+// A reply's fields from a handler's dict; TypeError naming what is missing or of the wrong type.
+class FromKeywords {
+ public:
+  explicit FromKeywords(py::dict d) : d_(std::move(d)) {}
+  void operator()(const char* name, std::string& v) { v = get(name).cast<std::string>(); }
+  template <forkguard::detail::Number T>
+  void operator()(const char* name, T& v, forkguard::detail::Bounds<T> = {}) {
+    v = get(name).cast<T>();
+  }
+  size_t used = 0;
+
+ private:
+  py::object get(const char* name) {
+    if (!d_.contains(name))
+      throw py::type_error(fmt::format("the reply has no field \"{}\"", name));
+    ++used;
+    return d_[name];
+  }
+  py::dict d_;
+};
+
+// The reply `kind` (one of ServerReply's) with `fields`, encoded and checked by its decoder.
+std::vector<std::string> encode_server_reply(const std::string& kind, py::dict fields) {
+  std::optional<std::vector<std::string>> out;
+  auto one = [&]<class M>(const M*) {
+    if (out || M::kKind != kind) return;
+    M m;
+    FromKeywords from(fields);
+    M::fields(from, m);
+    if (from.used != fields.size()) {
+      throw py::type_error(fmt::format("the reply \"{}\" has fields it does not take", kind));
+    }
+    out = forkguard::detail::encode_message(m);
+  };
+  [&]<size_t... I>(std::index_sequence<I...>) {
+    (one(static_cast<const std::variant_alternative_t<I, fl::detail::ServerReply>*>(nullptr)), ...);
+  }
+  (std::make_index_sequence<std::variant_size_v<fl::detail::ServerReply>>{});
+  if (!out) throw py::value_error(fmt::format("no reply of the kind \"{}\"", kind));
+  fl::detail::decode_server_reply(*out);  // its bounds (a count of -1 throws here)
+  return *out;
+}
+
+class ZygoteLoop {
+ public:
+  ZygoteLoop(int sock, py::dict handlers) : sock_(sock), handlers_(std::move(handlers)) {}
+  ZygoteLoop(const ZygoteLoop&) = delete;
+  ZygoteLoop& operator=(const ZygoteLoop&) = delete;
+  // Whatever ends the loop (EOF, an error, a signal's exception), no child outlives it.
+  ~ZygoteLoop() {
+    for (auto& [pid, c] : children_) c.cast<ChildProcess&>().signal(SIGKILL);
+    for (auto& [pid, c] : children_) c.cast<ChildProcess&>().wait(std::nullopt);
+  }
+
+  void serve() {
+    std::vector<pollfd> polled;
+    while (true) {
+      polled.assign(1, {sock_, POLLIN, 0});
+      for (auto& [pid, c] : children_) {
+        polled.push_back({c.cast<ChildProcess&>().pidfd(), POLLIN, 0});
+      }
+      int r;
+      {
+        py::gil_scoped_release nogil;
+        r = ::poll(polled.data(), polled.size(), -1);
+      }
+      if (r < 0) {
+        if (errno != EINTR) throw forkguard::SystemError("poll", errno);
+        if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+        continue;
+      }
+      // Exits first: a child reported here was started (and replied to) before this wake-up.
+      for (auto it = children_.begin(); it != children_.end();) {
+        if (auto status = it->second.cast<ChildProcess&>().status()) {
+          send_or_throw(sock_, fl::detail::encode(
+                                   fl::detail::ExitReport{.pid = it->first, .status = *status}));
+          it = children_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      if (polled[0].revents == 0) continue;
+      std::vector<std::string> fields;
+      std::vector<int> fds;
+      bool got;
+      {
+        py::gil_scoped_release nogil;
+        got = forkguard::detail::recv_message(sock_, fields, fds);
+      }
+      if (!got) {
+        if (errno != 0) throw forkguard::SystemError("the fork server's socket", errno);
+        return;  // EOF: the caller is gone, or let go of us
+      }
+      reply(handle(fields, fds));
+    }
+  }
+
+ private:
+  // What a child must not keep: the socket, the other children's pidfds.
+  std::vector<int> own_fds() {
+    std::vector<int> own = {sock_};
+    for (auto& [pid, c] : children_) own.push_back(c.cast<ChildProcess&>().pidfd());
+    return own;
+  }
+
+  // The handler's result, or why there is none (a str: the error reply). The fds are the
+  // handler's once it is called; closed here otherwise.
+  py::object handle(const std::vector<std::string>& fields, std::vector<int>& fds) {
+    try {
+      auto request = fl::detail::decode_server_request(fields);
+      return std::visit(
+          [&]<class M>(const M& m) {
+            std::string name(M::kKind);
+            if constexpr (std::is_same_v<M, fl::detail::CallRequest>) name = m.function;
+            if (!handlers_.contains(name)) {
+              close_all(fds);
+              fds.clear();
+              return py::object(py::str(fmt::format(
+                  "the Python fork server cannot start {} (it starts notebook_launch ranks, "
+                  "DataLoader workers and rerouted Processes only)",
+                  name)));
+            }
+            ToKeywords keywords;
+            M::fields(keywords, m);
+            const std::vector<int> own = own_fds();
+            py::list given;
+            for (int fd : fds) given.append(fd);
+            fds.clear();  // the handler's now
+            return handlers_[py::str(name)](given, own, **keywords.out);
+          },
+          request);
+    } catch (py::error_already_set& e) {
+      if (e.matches(PyExc_KeyboardInterrupt) || e.matches(PyExc_SystemExit)) throw;
+      close_all(fds);
+      return py::str(e.what());
+    } catch (const std::exception& e) {
+      close_all(fds);
+      return py::str(e.what());
+    }
+  }
+
+  // A started ChildProcess (held until reaped), a str (an error), a reply as (kind, {fields}), or
+  // None (no reply).
+  void reply(py::object result) {
+    if (result.is_none()) return;
+    if (py::isinstance<ChildProcess>(result)) {
+      auto& child = result.cast<ChildProcess&>();
+      const int pidfd = child.pidfd();
+      const pid_t pid = child.pid();
+      children_.emplace(pid, std::move(result));
+      // With its pidfd: the caller signals it by that, never by a PID that a later process may
+      // have once this loop reaped it.
+      return send_or_throw(sock_, fl::detail::encode(fl::detail::StartedReply{.pid = pid}), &pidfd,
+                           1);
+    }
+    std::vector<std::string> fields;
+    if (py::isinstance<py::str>(result)) {
+      fields = fl::detail::encode(fl::detail::ErrorReply{.message = result.cast<std::string>()});
+    } else {
+      try {
+        auto [kind, values] = result.cast<std::pair<std::string, py::dict>>();
+        fields = encode_server_reply(kind, values);
+      } catch (const std::exception& e) {  // a handler's bug: the caller hears of it
+        fields = fl::detail::encode(fl::detail::ErrorReply{
+            .message =
+                fmt::format("the Python fork server's handler gave a bad reply: {}", e.what())});
+      }
+    }
+    send_or_throw(sock_, fields);
+  }
+
+  int sock_;
+  py::dict handlers_;
+  std::map<pid_t, py::object> children_;  // each a ChildProcess
+};
+
+void serve_zygote(int sock, py::dict ready, py::dict handlers) {
+  send_or_throw(sock, encode_server_reply("ready", std::move(ready)));
+  ZygoteLoop loop(sock, std::move(handlers));
+  loop.serve();
+}
+
 }  // namespace
 
 void bind_process(py::module_& m) {
@@ -193,6 +433,7 @@ void bind_process(py::module_& m) {
       .def("kill", [](ChildProcess& p) { p.signal(SIGKILL); });
   m.def("start_process", &start_process, py::arg("argv"), py::kw_only(),
         py::arg("pass_fds") = std::vector<int>{}, py::arg("name") = py::none());
+  m.def("serve_zygote", &serve_zygote, py::arg("sock"), py::arg("ready"), py::arg("handlers"));
   m.def("start_python_child", &start_python_child, py::arg("fn"), py::kw_only(),
         py::arg("stdout_fd") = -1, py::arg("stderr_fd") = -1,
         py::arg("close_fds") = std::vector<int>{}, py::arg("new_group") = true,

@@ -68,7 +68,10 @@ bool send_message(int sock, const std::vector<std::string>& fields, const int* f
   return n == static_cast<ssize_t>(data.size());
 }
 
-bool recv_message(int sock, std::vector<std::string>& fields, int fds[kMaxFds], int flags) {
+namespace {
+
+// Up to `max_fds` (at most kMaxSendFds) received fds land in fds[0..max_fds), -1 where absent.
+bool receive(int sock, std::vector<std::string>& fields, int* fds, int max_fds, int flags) {
   // One per thread, not one per message, and never cleared: zeroing 4 MiB faults in a thousand
   // pages (3 ms on a VM) before a fresh process's first message; the kernel writes only what
   // arrives.
@@ -77,9 +80,9 @@ bool recv_message(int sock, std::vector<std::string>& fields, int fds[kMaxFds], 
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds)] = {};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxSendFds)] = {};
   msg.msg_control = control;
-  msg.msg_controllen = sizeof control;
+  msg.msg_controllen = CMSG_SPACE(sizeof(int) * static_cast<size_t>(max_fds));
   ssize_t n;
   bool reset_seen = false;
   while (true) {
@@ -97,7 +100,7 @@ bool recv_message(int sock, std::vector<std::string>& fields, int fds[kMaxFds], 
     }
     break;
   }
-  for (int i = 0; i < kMaxFds; ++i) fds[i] = -1;
+  for (int i = 0; i < max_fds; ++i) fds[i] = -1;
   if (n <= 0) {
     if (n == 0) errno = 0;
     return false;
@@ -105,11 +108,29 @@ bool recv_message(int sock, std::vector<std::string>& fields, int fds[kMaxFds], 
   for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
     if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
       size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      std::memcpy(fds, CMSG_DATA(c), sizeof(int) * std::min<size_t>(count, kMaxFds));
+      std::memcpy(fds, CMSG_DATA(c),
+                  sizeof(int) * std::min<size_t>(count, static_cast<size_t>(max_fds)));
     }
   }
   fields = decode(buf.get(), static_cast<size_t>(n));
   return true;
+}
+
+}  // namespace
+
+bool recv_message(int sock, std::vector<std::string>& fields, int fds[kMaxFds], int flags) {
+  return receive(sock, fields, fds, kMaxFds, flags);
+}
+
+bool recv_message(int sock, std::vector<std::string>& fields, std::vector<int>& fds, int flags) {
+  int all[kMaxSendFds];
+  const bool ok = receive(sock, fields, all, kMaxSendFds, flags);
+  fds.clear();
+  for (int fd : all) {
+    if (fd < 0) break;
+    fds.push_back(fd);
+  }
+  return ok;
 }
 
 }  // namespace forkguard::detail

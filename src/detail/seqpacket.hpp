@@ -23,5 +23,7 @@ bool send_message(int sock, const std::vector<std::string>& fields, const int* f
 // false on EOF or error (errno set; 0 on EOF); EAGAIN with MSG_DONTWAIT and nothing pending.
 // Received fds (close-on-exec) land in fds[0..kMaxFds), -1 where absent.
 bool recv_message(int sock, std::vector<std::string>& fields, int fds[kMaxFds], int flags = 0);
+// The same with up to kMaxSendFds fds, all of them in `fds` (empty when none came).
+bool recv_message(int sock, std::vector<std::string>& fields, std::vector<int>& fds, int flags = 0);
 
 }  // namespace forkguard::detail

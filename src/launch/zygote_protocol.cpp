@@ -41,4 +41,12 @@ ZygoteReply decode_zygote_reply(const std::vector<std::string>& f) {
   return decode_one_of<ZygoteReply>(f, "zygote reply", &raise);
 }
 
+ServerRequest decode_server_request(const std::vector<std::string>& f) {
+  return decode_one_of<ServerRequest>(f, "interpreter server request", &raise);
+}
+
+ServerReply decode_server_reply(const std::vector<std::string>& f) {
+  return decode_one_of<ServerReply>(f, "interpreter server reply", &raise);
+}
+
 }  // namespace forkguard::launch::detail

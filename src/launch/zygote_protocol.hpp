@@ -123,6 +123,130 @@ struct ExitReport {
 using ZygoteRequest = std::variant<EntryRequest, ExecRequest, CallRequest>;
 using ZygoteReply = std::variant<StartedReply, ErrorReply, ExitReport>;
 
+// ---------------------------------------------------------------- the interpreter fork server
+// python/forkguard/_server.py (served by _native.serve_zygote) takes `entry` (notebook ranks) and
+// `call` (DataLoader workers) as above, and these; each request that starts a child is answered
+// as above (`started` with the child's pidfd attached, or `error`), the others as noted.
+//
+//   server -> caller  ready PID PRELOADED_JSON ERRORS_JSON   (first, once its modules are loaded)
+//   caller -> server  preload MODULES_JSON      -> preloaded PRELOADED_JSON ERRORS_JSON
+//   caller -> server  hold_fds + fds            -> held COUNT   (inherited by the ranks started
+//                                                  until release_fds)
+//   caller -> server  release_fds               -> released
+//   caller -> server  dataloader_hold KEY + fds -> held COUNT   (inherited by DataLoader workers
+//                                                  until dataloader_release KEY)
+//   caller -> server  dataloader_release KEY    -> released
+//   caller -> server  guard_start NAME + fds    (a rerouted multiprocessing Process)
+
+struct PreloadRequest {
+  static constexpr std::string_view kKind = "preload";
+  std::string modules;  // a JSON list of module names
+
+  template <class V, class M>
+  static void fields(V& v, M& m) {
+    v("modules", m.modules);
+  }
+  bool operator==(const PreloadRequest&) const = default;
+};
+
+struct HoldFdsRequest {
+  static constexpr std::string_view kKind = "hold_fds";
+  template <class V, class M>
+  static void fields(V&, M&) {}
+  bool operator==(const HoldFdsRequest&) const = default;
+};
+
+struct ReleaseFdsRequest {
+  static constexpr std::string_view kKind = "release_fds";
+  template <class V, class M>
+  static void fields(V&, M&) {}
+  bool operator==(const ReleaseFdsRequest&) const = default;
+};
+
+struct DataLoaderHoldRequest {
+  static constexpr std::string_view kKind = "dataloader_hold";
+  std::string key;  // the loader's: its workers' spec names it
+
+  template <class V, class M>
+  static void fields(V& v, M& m) {
+    v("key", m.key);
+  }
+  bool operator==(const DataLoaderHoldRequest&) const = default;
+};
+
+struct DataLoaderReleaseRequest {
+  static constexpr std::string_view kKind = "dataloader_release";
+  std::string key;
+
+  template <class V, class M>
+  static void fields(V& v, M& m) {
+    v("key", m.key);
+  }
+  bool operator==(const DataLoaderReleaseRequest&) const = default;
+};
+
+struct GuardStartRequest {
+  static constexpr std::string_view kKind = "guard_start";
+  std::string name;  // the Process's name
+
+  template <class V, class M>
+  static void fields(V& v, M& m) {
+    v("name", m.name);
+  }
+  bool operator==(const GuardStartRequest&) const = default;
+};
+
+struct ReadyReply {
+  static constexpr std::string_view kKind = "ready";
+  pid_t pid = 0;          // the server's
+  std::string preloaded;  // a JSON list of the modules it imported
+  std::string errors;     // a JSON object: module -> why it could not be imported
+
+  template <class V, class M>
+  static void fields(V& v, M& m) {
+    v("pid", m.pid, at_least<pid_t>(1));
+    v("preloaded", m.preloaded);
+    v("errors", m.errors);
+  }
+  bool operator==(const ReadyReply&) const = default;
+};
+
+struct PreloadedReply {
+  static constexpr std::string_view kKind = "preloaded";
+  std::string preloaded;
+  std::string errors;
+
+  template <class V, class M>
+  static void fields(V& v, M& m) {
+    v("preloaded", m.preloaded);
+    v("errors", m.errors);
+  }
+  bool operator==(const PreloadedReply&) const = default;
+};
+
+struct HeldReply {
+  static constexpr std::string_view kKind = "held";
+  int count = 0;  // the fds now held
+
+  template <class V, class M>
+  static void fields(V& v, M& m) {
+    v("count", m.count, at_least(0));
+  }
+  bool operator==(const HeldReply&) const = default;
+};
+
+struct ReleasedReply {
+  static constexpr std::string_view kKind = "released";
+  template <class V, class M>
+  static void fields(V&, M&) {}
+  bool operator==(const ReleasedReply&) const = default;
+};
+
+using ServerRequest =
+    std::variant<EntryRequest, CallRequest, PreloadRequest, HoldFdsRequest, ReleaseFdsRequest,
+                 DataLoaderHoldRequest, DataLoaderReleaseRequest, GuardStartRequest>;
+using ServerReply = std::variant<ReadyReply, PreloadedReply, HeldReply, ReleasedReply>;
+
 std::vector<std::string> encode(const EntryRequest& m);
 std::vector<std::string> encode(const ExecRequest& m);
 std::vector<std::string> encode(const CallRequest& m);
@@ -134,5 +258,8 @@ std::vector<std::string> encode(const ExitReport& m);
 // unknown kind, and a missing, extra or malformed field.
 ZygoteRequest decode_zygote_request(const std::vector<std::string>& f);
 ZygoteReply decode_zygote_reply(const std::vector<std::string>& f);
+// The same for the interpreter server ("interpreter server request ...", "... reply ...").
+ServerRequest decode_server_request(const std::vector<std::string>& f);
+ServerReply decode_server_reply(const std::vector<std::string>& f);
 
 }  // namespace forkguard::launch::detail

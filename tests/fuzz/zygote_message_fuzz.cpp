@@ -32,6 +32,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     check_round_trip(decode_zygote_reply(f), &decode_zygote_reply);
   } catch (const forkguard::Error&) {
   }
+  // The interpreter fork server's (python/forkguard/_server.py, decoded by _native.serve_zygote).
+  try {
+    check_round_trip(decode_server_request(f), &decode_server_request);
+  } catch (const forkguard::Error&) {
+  }
+  try {
+    check_round_trip(decode_server_reply(f), &decode_server_reply);
+  } catch (const forkguard::Error&) {
+  }
 
   // Messages made of the fields, as arbitrary as names and environments get.
   const size_t half = f.size() / 2;
@@ -50,6 +59,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                      &decode_zygote_request);
     check_round_trip(ZygoteRequest(CallRequest{.function = f[0]}), &decode_zygote_request);
     check_round_trip(ZygoteReply(ErrorReply{.message = f[0]}), &decode_zygote_reply);
+    check_round_trip(ServerRequest(DataLoaderHoldRequest{.key = f[0]}), &decode_server_request);
+    check_round_trip(ServerRequest(GuardStartRequest{.name = f[0]}), &decode_server_request);
+    check_round_trip(ServerReply(PreloadedReply{.preloaded = f[0], .errors = f.back()}),
+                     &decode_server_reply);
   }
   return 0;
 }

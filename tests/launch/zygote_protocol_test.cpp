@@ -172,3 +172,45 @@ TEST(ZygoteProtocol, ZygoteFunctionsFollowTheRegistryRule) {
             "no zygote function named \"nope\" (registered: forkguard.data.worker, "
             "test.zygote_rule); register it with register_zygote_function");
 }
+
+TEST(ZygoteProtocol, TheInterpreterServersMessagesAreTypedToo) {
+  // What notebook_launch, the DataLoader and guard() send python/forkguard/_server.py, as its
+  // native loop (_native.serve_zygote) decodes them, and what it answers: the wire stays as the
+  // callers send it (lists of fields through ForkServer::exchange).
+  using forkguard::detail::encode_message;
+  EXPECT_EQ(std::get<fl::DataLoaderHoldRequest>(
+                fl::decode_server_request(wire({"dataloader_hold", "loader-7"})))
+                .key,
+            "loader-7");
+  EXPECT_TRUE(std::holds_alternative<fl::HoldFdsRequest>(fl::decode_server_request({"hold_fds"})));
+  EXPECT_EQ(
+      std::get<fl::CallRequest>(fl::decode_server_request({"call", "forkguard.dataloader_worker"}))
+          .function,
+      "forkguard.dataloader_worker");
+  const fl::EntryRequest rank{.name = "notebook",
+                              .ctx = {.rank = 1, .world_size = 2, .args = {"/tmp", "[]"}},
+                              .env = {"A=1"}};
+  EXPECT_EQ(std::get<fl::EntryRequest>(fl::decode_server_request(wire(fl::encode(rank)))), rank);
+  EXPECT_EQ(encode_message(fl::ReadyReply{.pid = 42, .preloaded = "[\"torch\"]", .errors = "{}"}),
+            (Fields{"ready", "42", "[\"torch\"]", "{}"}));
+  EXPECT_EQ(encode_message(fl::HeldReply{.count = 3}), (Fields{"held", "3"}));
+  EXPECT_EQ(encode_message(fl::ReleasedReply{}), Fields{"released"});
+  const fl::PreloadedReply preloaded{.preloaded = "[]", .errors = "{\"x\": \"ImportError\"}"};
+  EXPECT_EQ(std::get<fl::PreloadedReply>(fl::decode_server_reply(wire(encode_message(preloaded)))),
+            preloaded);
+
+  EXPECT_EQ(error_of([] {
+              fl::decode_server_request({"hold_fds", "x"});
+            }),
+            "interpreter server request \"hold_fds\": 1 field too many");
+  EXPECT_EQ(error_of([] { fl::decode_server_request({"dataloader_release"}); }),
+            "interpreter server request \"dataloader_release\": field \"key\" is missing");
+  EXPECT_NE(error_of([] {
+              fl::decode_server_request({"exec", "1", "/bin/true"});
+            }).find("interpreter server request: unknown kind \"exec\""),
+            std::string::npos);
+  EXPECT_NE(error_of([] {
+              fl::decode_server_reply({"held", "-1"});
+            }).find("field \"count\""),
+            std::string::npos);
+}

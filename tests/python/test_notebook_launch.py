@@ -140,6 +140,33 @@ def test_a_killed_fork_server_is_named_at_once_and_the_next_launch_gets_a_new_on
     assert forkguard.start_server() != server
 
 
+def test_the_fork_server_refuses_a_malformed_request_by_name_and_serves_on():
+    # Its native loop decodes every request (zygote_protocol.hpp's types) before a handler runs:
+    # a request with a field too many or too few, or of a kind it does not serve, is answered with
+    # an error naming the request and the field, and the server goes on.
+    forkguard.start_server(wait=True)
+    server = forkguard._launch._server
+    fds_before = sorted(os.listdir(f"/proc/{server.pid}/fd"))
+    assert server.exchange(["hold_fds", "extra"], timeout=10.0) == [
+        "error", 'interpreter server request "hold_fds": 1 field too many']
+    assert server.exchange(["dataloader_release"], timeout=10.0) == [
+        "error", 'interpreter server request "dataloader_release": field "key" is missing']
+    reply = server.exchange(["exec", "1", "/bin/true"], timeout=10.0)
+    assert reply[0] == "error" and 'unknown kind "exec"' in reply[1], reply
+    r, w = os.pipe()
+    try:
+        reply = server.exchange(["call", "os.system"], [1, 2, r], timeout=10.0)
+    finally:
+        os.close(r)
+        os.close(w)
+    assert reply[0] == "error" and "cannot start os.system" in reply[1], reply
+    assert sorted(os.listdir(f"/proc/{server.pid}/fd")) == fds_before  # what came, closed
+    assert server.exchange(["hold_fds"], timeout=10.0) == ["held", "0"]
+    assert server.exchange(["release_fds"], timeout=10.0) == ["released"]
+    assert forkguard.notebook_launch(int, nproc=2) == [0, 0]
+    assert forkguard._launch._server is server
+
+
 def test_a_timeout_stops_every_rank_and_says_so():
     def sleeper():
         time.sleep(60)
