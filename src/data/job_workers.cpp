@@ -1,9 +1,7 @@
 #include "data/job_workers.hpp"
 
 #include <fmt/format.h>
-#include <poll.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -19,9 +17,7 @@
 #include "data/slot.hpp"
 #include "data/worker_processes.hpp"
 #include "data/worker_protocol.hpp"
-#include "detail/deadline.hpp"
 #include "detail/fd.hpp"
-#include "detail/seqpacket.hpp"
 #include "forkguard/data/error.hpp"
 #include "forkguard/error.hpp"
 #include "forkguard/launch/launcher.hpp"
@@ -31,10 +27,6 @@
 namespace forkguard::data::detail {
 namespace {
 
-using forkguard::detail::kMaxFds;
-using forkguard::detail::recv_message;
-using forkguard::detail::send_message;
-using forkguard::detail::UniqueFd;
 using Clock = std::chrono::steady_clock;
 
 // ------------------------------------------------------------------ the messages
@@ -153,16 +145,13 @@ int serve_jobs(int sock, JobBody& body) {
 int serve_jobs_after_setup(
     int sock,
     const std::function<std::unique_ptr<JobBody>(std::string_view setup, int worker)>& make) {
-  std::vector<std::string> f;
-  int fds[kMaxFds];
-  if (!recv_message(sock, f, fds)) return 2;
-  UniqueFd memfd(fds[0]);
-  for (int k = 1; k < kMaxFds; ++k) {
-    if (fds[k] >= 0) ::close(fds[k]);
-  }
+  auto received = receive_setup(sock);
+  if (!received) return 2;
+  UniqueFd memfd = std::move(received->memfd);
   std::unique_ptr<JobBody> body;
   try {
-    auto setup = forkguard::detail::decode_message<SetupMessage>(f, "job worker request", &raise);
+    auto setup = forkguard::detail::decode_message<SetupMessage>(received->fields,
+                                                                 "job worker request", &raise);
     if (!memfd) throw DataError("the setup came without its memfd");
     std::string bytes = read_setup(memfd.get(), setup.bytes);
     memfd.reset();

@@ -6,17 +6,10 @@
 //   objects as they are.
 // Either way the child serves the same loop: slots arrive as memfds over SCM_RIGHTS, tasks as
 // small messages, and each finished batch is answered with a small "done" message.
-#include <fcntl.h>
 #include <fmt/format.h>
-#include <poll.h>
-#include <signal.h>
-#include <sys/mman.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -30,8 +23,6 @@
 #include "data/worker_processes.hpp"
 #include "data/worker_protocol.hpp"
 #include "data/workers.hpp"
-#include "detail/deadline.hpp"
-#include "detail/seqpacket.hpp"
 #include "forkguard/data/error.hpp"
 #include "forkguard/launch/exit_status.hpp"
 #include "forkguard/launch/launcher.hpp"
@@ -42,10 +33,6 @@
 namespace forkguard::data::detail {
 namespace {
 
-using forkguard::detail::kMaxFds;
-using forkguard::detail::recv_message;
-using forkguard::detail::send_message;
-using forkguard::detail::UniqueFd;
 using launch::detail::ForkServer;
 
 constexpr const char* kZygoteFunction = "forkguard.data.worker";
@@ -152,17 +139,13 @@ int serve(int sock, const Producer& producer) {
 
 // The zygote function: a fork of the fork server, with the loader's socket as `sock`.
 int worker_entry(int sock) {
-  std::vector<std::string> f;
-  int fds[kMaxFds];
-  if (!recv_message(sock, f, fds)) return 2;
-  UniqueFd description(fds[0]);
-  for (int k = 1; k < kMaxFds; ++k) {
-    if (fds[k] >= 0) ::close(fds[k]);
-  }
+  auto received = receive_setup(sock);
+  if (!received) return 2;
+  UniqueFd description = std::move(received->memfd);
   const SetupMessage* setup_message = nullptr;
   WorkerRequest request;
   try {
-    request = decode_worker_request(f);
+    request = decode_worker_request(received->fields);
     setup_message = std::get_if<SetupMessage>(&request);
   } catch (const DataError& e) {
     std::fprintf(stderr, "forkguard: process worker %d: %s\n", static_cast<int>(::getpid()),

@@ -9,7 +9,6 @@
 #include <utility>
 
 #include "detail/deadline.hpp"
-#include "detail/seqpacket.hpp"
 #include "forkguard/error.hpp"
 #include "forkguard/launch/launcher.hpp"
 #include "launch/fork_server.hpp"
@@ -17,10 +16,6 @@
 namespace forkguard::data::detail {
 namespace {
 
-using forkguard::detail::kMaxFds;
-using forkguard::detail::recv_message;
-using forkguard::detail::send_message;
-using forkguard::detail::UniqueFd;
 using launch::detail::ForkServer;
 
 constexpr auto kExitGrace = std::chrono::seconds(2);
