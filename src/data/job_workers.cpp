@@ -1,9 +1,7 @@
 #include "data/job_workers.hpp"
 
 #include <fmt/format.h>
-#include <poll.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -17,11 +15,9 @@
 
 #include "cuda/host_pinning.hpp"
 #include "data/slot.hpp"
+#include "data/worker_processes.hpp"
 #include "data/worker_protocol.hpp"
-#include "data/worker_sockets.hpp"
-#include "detail/deadline.hpp"
 #include "detail/fd.hpp"
-#include "detail/seqpacket.hpp"
 #include "forkguard/data/error.hpp"
 #include "forkguard/error.hpp"
 #include "forkguard/launch/launcher.hpp"
@@ -31,13 +27,7 @@
 namespace forkguard::data::detail {
 namespace {
 
-using forkguard::detail::kMaxFds;
-using forkguard::detail::recv_message;
-using forkguard::detail::send_message;
-using forkguard::detail::UniqueFd;
 using Clock = std::chrono::steady_clock;
-
-constexpr auto kExitGrace = std::chrono::seconds(2);
 
 // ------------------------------------------------------------------ the messages
 // setup, slot, ready and failed are the process workers' own messages (data/worker_protocol.hpp);
@@ -155,16 +145,13 @@ int serve_jobs(int sock, JobBody& body) {
 int serve_jobs_after_setup(
     int sock,
     const std::function<std::unique_ptr<JobBody>(std::string_view setup, int worker)>& make) {
-  std::vector<std::string> f;
-  int fds[kMaxFds];
-  if (!recv_message(sock, f, fds)) return 2;
-  UniqueFd memfd(fds[0]);
-  for (int k = 1; k < kMaxFds; ++k) {
-    if (fds[k] >= 0) ::close(fds[k]);
-  }
+  auto received = receive_setup(sock);
+  if (!received) return 2;
+  UniqueFd memfd = std::move(received->memfd);
   std::unique_ptr<JobBody> body;
   try {
-    auto setup = forkguard::detail::decode_message<SetupMessage>(f, "job worker request", &raise);
+    auto setup = forkguard::detail::decode_message<SetupMessage>(received->fields,
+                                                                 "job worker request", &raise);
     if (!memfd) throw DataError("the setup came without its memfd");
     std::string bytes = read_setup(memfd.get(), setup.bytes);
     memfd.reset();
@@ -181,10 +168,10 @@ int serve_jobs_after_setup(
 // ------------------------------------------------------------------ the loader's side
 class JobQueue::Impl : public JobSlot {
  public:
-  explicit Impl(JobOptions o) : o_(std::move(o)) {
-    if (o_.workers < 1) throw DataError(fmt::format("{} workers", o_.workers));
-    if (o_.prefetch < 1) throw DataError("prefetch must be at least 1");
-    procs_.resize(static_cast<size_t>(o_.workers));
+  explicit Impl(JobOptions o)
+      : o_(checked(std::move(o))),
+        procs_(o_.workers, o_.start == JobStart::kServer ? o_.server : nullptr),
+        workers_(static_cast<size_t>(o_.workers)) {
     UniqueFd setup;
     if (o_.start == JobStart::kServer) setup = setup_memfd(o_.setup);
     try {
@@ -211,17 +198,15 @@ class JobQueue::Impl : public JobSlot {
   }
 
   void await_started() {
-    const auto deadline = o_.start_timeout.count() > 0
-                              ? std::optional(Clock::now() + o_.start_timeout)
-                              : std::nullopt;
-    std::string failures;
-    for (size_t w = 0; w < procs_.size(); ++w) {
-      auto why = await_ready(procs_[w], deadline);
-      if (!why.empty()) {
-        failures += fmt::format("{}worker {} (PID {}): {}", failures.empty() ? "" : "; ", w,
-                                procs_[w].pid, why);
-      }
-    }
+    const std::string failures = procs_.await_all_ready<Reply>(
+        o_.start_timeout, "job worker reply",
+        {.not_running = "it was stopped",
+         .timeout = fmt::format("it did not say ready within {} ms", o_.start_timeout.count()),
+         .other = "it answered before it was ready",
+         .closed = [this](int w) {
+           const auto& status = procs_.status(w);
+           return status ? status->to_string() : std::string("it closed its socket");
+         }});
     if (!failures.empty()) {
       stop(true);
       throw WorkerError(fmt::format("workers could not start: {}", failures), -1, -1, {});
@@ -230,16 +215,16 @@ class JobQueue::Impl : public JobSlot {
 
   bool wants_job() const {
     size_t active = 0;
-    for (const auto& p : procs_) active += p.active && p.alive ? 1 : 0;
+    for (size_t w = 0; w < workers_.size(); ++w) active += takes_jobs(w) ? 1 : 0;
     return active > 0 && jobs_.size() < o_.prefetch * active;
   }
 
   JobQueue::Next next_slot(int worker, JobQueue::Order order) {
     if (worker < 0 && order == JobQueue::Order::kDone) worker = worker_with_room();
     if (worker < 0) {
-      for (size_t k = 0; k < procs_.size(); ++k) {
-        size_t w = (rr_ + k) % procs_.size();
-        if (procs_[w].active && procs_[w].alive) {
+      for (size_t k = 0; k < workers_.size(); ++k) {
+        size_t w = (rr_ + k) % workers_.size();
+        if (takes_jobs(w)) {
           worker = static_cast<int>(w);
           break;
         }
@@ -256,42 +241,42 @@ class JobQueue::Impl : public JobSlot {
   // of prefetch x workers, or -1.
   int worker_with_room() const {
     size_t active = 0;
-    std::vector<size_t> held(procs_.size(), 0);
-    for (const auto& p : procs_) active += p.active && p.alive ? 1 : 0;
+    std::vector<size_t> held(workers_.size(), 0);
+    for (size_t w = 0; w < workers_.size(); ++w) active += takes_jobs(w) ? 1 : 0;
     for (const auto& [job, j] : jobs_) ++held[static_cast<size_t>(j.worker)];
     if (active == 0) return -1;
-    const size_t share = o_.prefetch * procs_.size() / active;
-    for (size_t k = 0; k < procs_.size(); ++k) {
-      const size_t w = (rr_ + k) % procs_.size();
-      if (procs_[w].active && procs_[w].alive && held[w] < share) return static_cast<int>(w);
+    const size_t share = o_.prefetch * workers_.size() / active;
+    for (size_t k = 0; k < workers_.size(); ++k) {
+      const size_t w = (rr_ + k) % workers_.size();
+      if (takes_jobs(w) && held[w] < share) return static_cast<int>(w);
     }
     return -1;
   }
 
   uint64_t submit(const JobQueue::Next& next, size_t input_bytes) {
-    auto& p = procs_[static_cast<size_t>(next.worker)];
+    const int sock = procs_.socket(next.worker);
+    const pid_t pid = procs_.pid(next.worker);
     auto& s = *slots_[static_cast<size_t>(next.slot)];
     const uint64_t job = next_job_++;
     jobs_[job] = Job{.worker = next.worker, .slot = next.slot};
-    if (!p.alive) return job;  // its death is reported by next()
-    if (s.sent_bytes == 0) {   // new, or grown here: the worker maps it (instead)
-      if (!send(p.sock.get(), SlotMessage{.slot = next.slot, .bytes = s.memory.size()},
-                s.memory.fd())) {
+    if (!procs_.alive(next.worker)) return job;  // its death is reported by next()
+    if (s.sent_bytes == 0) {                     // new, or grown here: the worker maps it (instead)
+      if (!send(sock, SlotMessage{.slot = next.slot, .bytes = s.memory.size()}, s.memory.fd())) {
         if (errno != EPIPE && errno != ECONNRESET) {
           throw WorkerError(fmt::format("cannot send worker {} (PID {}) a slot: {}", next.worker,
-                                        p.pid, std::strerror(errno)),
-                            next.worker, p.pid, {});
+                                        pid, std::strerror(errno)),
+                            next.worker, pid, {});
         }
         return job;
       }
       s.memory.close_fd();
       s.sent_bytes = s.memory.size();
     }
-    if (!send(p.sock.get(), JobMsg{.job = job, .slot = next.slot, .bytes = input_bytes}) &&
+    if (!send(sock, JobMsg{.job = job, .slot = next.slot, .bytes = input_bytes}) &&
         errno != EPIPE && errno != ECONNRESET) {
       throw WorkerError(fmt::format("cannot send job {} to worker {} (PID {}): {}", job,
-                                    next.worker, p.pid, std::strerror(errno)),
-                        next.worker, p.pid, {});
+                                    next.worker, pid, std::strerror(errno)),
+                        next.worker, pid, {});
     }
     return job;
   }
@@ -309,7 +294,7 @@ class JobQueue::Impl : public JobSlot {
         return JobResult{.kind = JobResult::Kind::kTimeout,
                          .job = job,
                          .worker = j.worker,
-                         .pid = procs_[static_cast<size_t>(j.worker)].pid};
+                         .pid = procs_.pid(j.worker)};
       }
       if (polled.died) deaths_.emplace(polled.died->worker, std::move(*polled.died));
     }
@@ -330,7 +315,7 @@ class JobQueue::Impl : public JobSlot {
     while (!jobs_.empty()) {
       auto it = jobs_.begin();
       const int w = it->second.worker;
-      if (it->second.done || procs_[static_cast<size_t>(w)].active) break;
+      if (it->second.done || workers_[static_cast<size_t>(w)].active) break;
       if (auto d = deaths_.find(w); d != deaths_.end()) return {Now::kResult, report_death(d)};
       skipped_[it->first] = it->second;
       jobs_.erase(it);
@@ -352,7 +337,7 @@ class JobQueue::Impl : public JobSlot {
   Now deliverable_done() {
     for (auto it = jobs_.begin(); it != jobs_.end();) {
       const int w = it->second.worker;
-      if (!it->second.done && !procs_[static_cast<size_t>(w)].active && !deaths_.contains(w)) {
+      if (!it->second.done && !workers_[static_cast<size_t>(w)].active && !deaths_.contains(w)) {
         skipped_[it->first] = it->second;
         it = jobs_.erase(it);
       } else {
@@ -390,61 +375,42 @@ class JobQueue::Impl : public JobSlot {
   }
 
   void reactivate() {
-    for (auto& p : procs_) p.active = p.alive;
+    for (size_t w = 0; w < workers_.size(); ++w) {
+      workers_[w].active = procs_.alive(static_cast<int>(w));
+    }
     rr_ = 0;  // a new pass starts at worker 0, as torch's does
   }
-  bool active(int w) const { return procs_[static_cast<size_t>(w)].active; }
+  bool active(int w) const { return workers_[static_cast<size_t>(w)].active; }
 
   void stop(bool now) {
-    for (auto& p : procs_) {
-      p.active = false;
-      p.sock.reset();  // EOF: the worker ends its job and exits
-      if (now && p.alive) kill(p);
-    }
-    for (auto& p : procs_) {
-      if (!p.alive) continue;
-      p.alive = false;
-      if (!collect(p, kExitGrace)) {
-        kill(p);
-        collect(p, std::chrono::seconds(30));
-      }
-    }
+    for (auto& w : workers_) w.active = false;
+    procs_.stop(now);
   }
 
-  void detach_server() { o_.server = nullptr; }
-
-  std::vector<pid_t> pids() const {
-    std::vector<pid_t> out;
-    for (const auto& p : procs_) {
-      if (p.pid > 0 && !p.status) out.push_back(p.pid);
-    }
-    return out;
+  void detach_server() {
+    o_.server = nullptr;
+    procs_.detach_server();
   }
-  pid_t pid(int w) const { return procs_[static_cast<size_t>(w)].pid; }
+
+  std::vector<pid_t> pids() const { return procs_.pids_without_status(); }
+  pid_t pid(int w) const { return procs_.pid(w); }
 
   void signal(int w, int sig) {
-    if (w < 0 || static_cast<size_t>(w) >= procs_.size()) {
+    if (w < 0 || w >= procs_.size()) {
       throw DataError(fmt::format("there is no worker {} (of {})", w, procs_.size()));
     }
-    signal(procs_[static_cast<size_t>(w)], sig);
+    procs_.signal(w, sig);
   }
 
   std::optional<launch::ExitStatus> exit_status(int w, std::chrono::milliseconds timeout) {
-    auto& p = procs_[static_cast<size_t>(w)];
-    collect(p, timeout);
-    return p.status;
+    procs_.collect(w, timeout);
+    return procs_.status(w);
   }
 
  private:
-  struct Proc {
-    pid_t pid = -1;
-    WorkerSocket sock;
-    launch::detail::Child child;               // kFork
-    launch::detail::ServerChild server_child;  // kServer: the pidfd its server opened
-    bool alive = false;                        // started, not known to have ended
-    bool active = true;                        // takes jobs (not after kEnd)
-    std::optional<launch::ExitStatus> status;  // once collected
-    std::string lost;       // its fork server ended, and it with it: no status comes
+  // What the queue keeps of a worker besides its process.
+  struct Worker {
+    bool active = true;     // takes jobs (not after kEnd)
     std::vector<int> free;  // its slots not in use
   };
   struct SlotState {
@@ -483,53 +449,30 @@ class JobQueue::Impl : public JobSlot {
   };
 
   void start(int w, int setup_fd) {
-    auto [mine, theirs] = make_worker_sockets();
-    auto& p = procs_[static_cast<size_t>(w)];
     if (o_.start == JobStart::kServer) {
-      auto started = o_.server->start_call(o_.server_function, theirs.get());
-      p.pid = started.pid();
-      theirs.reset();
-      if (!started) {
-        p.sock = std::move(mine);  // EOF once the queue stops: it exits, its server reaps it
-        p.alive = true;
+      if (!procs_.start_call(w, o_.server_function)) {
+        // Its socket is closed once the queue stops: it exits, its server reaps it.
         throw launch::SpawnError(
             fmt::format("the fork server (PID {}) started worker {} (PID {}) without "
                         "its pidfd: it could not be signalled safely",
-                        o_.server->pid(), w, p.pid));
+                        o_.server->pid(), w, procs_.pid(w)));
       }
-      p.server_child = std::move(started);
-      if (!send(mine.get(), SetupMessage{.bytes = o_.setup.size(), .worker = w}, setup_fd)) {
-        const int e = errno;
-        p.sock = std::move(mine);
-        p.alive = true;
+      if (const int e = procs_.send_setup(w, o_.setup.size(), setup_fd)) {
         throw WorkerError(fmt::format("cannot send worker {} its setup: {}", w, std::strerror(e)),
-                          w, p.pid, {});
+                          w, procs_.pid(w), {});
       }
-    } else {
-      // Prepared before the fork: its name. The sockets of every worker pool of this process, ours
-      // included, are closed in it by start_worker, which reads them at the fork: before_fork
-      // may let other threads run (Python's at-fork handlers), which start or stop loaders too.
-      const std::string name = fmt::format("{}-{}", o_.name, w);
-      const int sock = theirs.get();
-      if (o_.before_fork) o_.before_fork();
-      try {
-        p.child = start_worker({.main = [this, sock, w] { return forked(sock, w); },
-                                .close_other_fds = false,
-                                .close_fds = o_.close_in_child,
-                                .name = name.c_str(),
-                                .stop = {.signal = 0},
-                                .what = fmt::format("worker {}", w)},
-                               sock);
-      } catch (...) {
-        if (o_.after_fork_parent) o_.after_fork_parent();
-        throw;
-      }
-      if (o_.after_fork_parent) o_.after_fork_parent();
-      p.pid = p.child.pid();
-      theirs.reset();
+      return;
     }
-    p.sock = std::move(mine);
-    p.alive = true;
+    // Prepared before the fork: its name.
+    const std::string name = fmt::format("{}-{}", o_.name, w);
+    procs_.start_fork(
+        w,
+        {.close_other_fds = false,
+         .close_fds = o_.close_in_child,
+         .name = name.c_str(),
+         .stop = {.signal = 0},
+         .what = fmt::format("worker {}", w)},
+        [this, w](int sock) { return forked(sock, w); }, o_.before_fork, o_.after_fork_parent);
   }
 
   // A forked worker's life, in a copy of this process: it may allocate (it runs the caller's
@@ -547,46 +490,16 @@ class JobQueue::Impl : public JobSlot {
     return serve_jobs(sock, *body);
   }
 
-  std::string await_ready(Proc& p, std::optional<Clock::time_point> deadline) {
-    if (!p.alive) return "it was stopped";
-    pollfd q{p.sock.get(), POLLIN, 0};
-    int r;
-    do {
-      r = ::poll(&q, 1, forkguard::detail::poll_ms(deadline));
-    } while (r < 0 && errno == EINTR);
-    if (r == 0) {
-      return fmt::format("it did not say ready within {} ms", o_.start_timeout.count());
-    }
-    std::vector<std::string> f;
-    int fds[kMaxFds];
-    if (!recv_message(p.sock.get(), f, fds)) {
-      p.alive = false;
-      collect(p, kExitGrace);
-      return p.status ? p.status->to_string() : "it closed its socket";
-    }
-    for (int fd : fds) {
-      if (fd >= 0) ::close(fd);
-    }
-    try {
-      auto reply = forkguard::detail::decode_one_of<Reply>(f, "job worker reply", &raise);
-      if (std::holds_alternative<ReadyReply>(reply)) return {};
-      if (const auto* failed = std::get_if<FailedReply>(&reply)) return failed->message;
-      return "it answered before it was ready";
-    } catch (const DataError& e) {
-      return e.what();
-    }
-  }
-
   int acquire(int worker) {
     {
       std::lock_guard lock(release_mutex_);
       for (int id : released_) give_back(id);
       released_.clear();
     }
-    auto& p = procs_[static_cast<size_t>(worker)];
-    if (!p.free.empty()) {
-      int id = p.free.back();
-      p.free.pop_back();
+    auto& free = workers_[static_cast<size_t>(worker)].free;
+    if (!free.empty()) {
+      int id = free.back();
+      free.pop_back();
       return id;
     }
     auto s = std::make_unique<SlotState>();
@@ -596,7 +509,7 @@ class JobQueue::Impl : public JobSlot {
     return static_cast<int>(slots_.size()) - 1;
   }
   void give_back(int id) {
-    procs_[static_cast<size_t>(slots_[static_cast<size_t>(id)]->worker)].free.push_back(id);
+    workers_[static_cast<size_t>(slots_[static_cast<size_t>(id)]->worker)].free.push_back(id);
   }
 
   // Reads one message, or notices one death, or the deadline passing first.
@@ -606,130 +519,81 @@ class JobQueue::Impl : public JobSlot {
   };
   Polled poll_one(std::optional<Clock::time_point> deadline) {
     while (true) {
-      std::vector<pollfd> fds;
-      std::vector<int> who;
-      for (size_t w = 0; w < procs_.size(); ++w) {
-        if (procs_[w].alive) {
-          fds.push_back({procs_[w].sock.get(), POLLIN, 0});
-          who.push_back(static_cast<int>(w));
+      auto r = procs_.receive(deadline);
+      using Kind = WorkerProcesses::Received::Kind;
+      if (r.kind == Kind::kTimeout) return {.timeout = true};
+      if (r.kind == Kind::kNone) throw DataError("jobs in flight, and no worker alive to do them");
+      const int w = r.worker;
+      if (r.kind == Kind::kEnded) return {.died = died(w)};
+      // r.fd: a slot the worker replaced by a larger one
+      auto reply = forkguard::detail::decode_one_of<Reply>(r.fields, "job worker reply", &raise);
+      const auto* res = std::get_if<ResultMsg>(&reply);
+      if (res && res->slot < static_cast<int>(slots_.size()) &&
+          slots_[static_cast<size_t>(res->slot)]->worker == w && r.fd) {
+        auto& s = *slots_[static_cast<size_t>(res->slot)];
+        map(s, Mapping(r.fd.release(), res->slot_bytes));
+        s.memory.close_fd();
+        s.sent_bytes = s.memory.size();
+      }
+      if (res) {
+        if (auto sk = skipped_.find(res->job);
+            sk != skipped_.end() && sk->second.worker == w && sk->second.slot == res->slot) {
+          give_back(res->slot);  // a job skipped at the end of its worker's pass
+          skipped_.erase(sk);
+          continue;
         }
       }
-      int r = ::poll(fds.data(), fds.size(), forkguard::detail::poll_ms(deadline));
-      if (r < 0 && errno == EINTR) continue;
-      if (r < 0) throw SystemError("poll on the workers", errno);
-      if (r == 0) return {.timeout = true};
-      for (size_t k = 0; k < fds.size(); ++k) {
-        if (fds[k].revents == 0) continue;
-        const int w = who[k];
-        auto& p = procs_[static_cast<size_t>(w)];
-        std::vector<std::string> f;
-        int got[kMaxFds];
-        if (!recv_message(p.sock.get(), f, got, MSG_DONTWAIT)) {
-          if (errno == EAGAIN) continue;
-          return {.died = died(w)};
-        }
-        UniqueFd grown_fd(got[0]);  // a slot the worker replaced by a larger one
-        for (int k = 1; k < kMaxFds; ++k) {
-          if (got[k] >= 0) ::close(got[k]);
-        }
-        auto reply = forkguard::detail::decode_one_of<Reply>(f, "job worker reply", &raise);
-        const auto* res = std::get_if<ResultMsg>(&reply);
-        if (res && res->slot < static_cast<int>(slots_.size()) &&
-            slots_[static_cast<size_t>(res->slot)]->worker == w && grown_fd) {
-          auto& s = *slots_[static_cast<size_t>(res->slot)];
-          map(s, Mapping(grown_fd.release(), res->slot_bytes));
-          s.memory.close_fd();
-          s.sent_bytes = s.memory.size();
-        }
-        if (res) {
-          if (auto sk = skipped_.find(res->job);
-              sk != skipped_.end() && sk->second.worker == w && sk->second.slot == res->slot) {
-            give_back(res->slot);  // a job skipped at the end of its worker's pass
-            skipped_.erase(sk);
-            continue;
-          }
-        }
-        auto it = res ? jobs_.find(res->job) : jobs_.end();
-        if (it == jobs_.end() || it->second.worker != w || it->second.slot != res->slot) {
-          throw DataError(
-              fmt::format("worker {} (PID {}) answered a job it was not given", w, p.pid));
-        }
-        auto& s = *slots_[static_cast<size_t>(res->slot)];
-        if (res->bytes > s.memory.size()) {
-          throw DataError(fmt::format("worker {} (PID {}): a {}-byte result in a {}-byte slot", w,
-                                      p.pid, res->bytes, s.memory.size()));
-        }
-        if (res->kind == JobKind::kEnd) {
-          p.active = false;  // next() skips the jobs it had after this one
-          give_back(res->slot);
-          jobs_.erase(it);
-          return {};
-        }
-        it->second.done = true;
-        it->second.result = JobResult{.kind = JobResult::Kind::kResult,
-                                      .job = res->job,
-                                      .worker = w,
-                                      .pid = p.pid,
-                                      .job_kind = res->kind,
-                                      .slot = res->slot,
-                                      .bytes = res->bytes,
-                                      .message = res->message};
+      auto it = res ? jobs_.find(res->job) : jobs_.end();
+      if (it == jobs_.end() || it->second.worker != w || it->second.slot != res->slot) {
+        throw DataError(
+            fmt::format("worker {} (PID {}) answered a job it was not given", w, procs_.pid(w)));
+      }
+      auto& s = *slots_[static_cast<size_t>(res->slot)];
+      if (res->bytes > s.memory.size()) {
+        throw DataError(fmt::format("worker {} (PID {}): a {}-byte result in a {}-byte slot", w,
+                                    procs_.pid(w), res->bytes, s.memory.size()));
+      }
+      if (res->kind == JobKind::kEnd) {
+        workers_[static_cast<size_t>(w)].active =
+            false;  // next() skips the jobs it had after this one
+        give_back(res->slot);
+        jobs_.erase(it);
         return {};
       }
+      it->second.done = true;
+      it->second.result = JobResult{.kind = JobResult::Kind::kResult,
+                                    .job = res->job,
+                                    .worker = w,
+                                    .pid = procs_.pid(w),
+                                    .job_kind = res->kind,
+                                    .slot = res->slot,
+                                    .bytes = res->bytes,
+                                    .message = res->message};
+      return {};
     }
   }
 
   JobResult died(int w) {
-    auto& p = procs_[static_cast<size_t>(w)];
-    p.alive = false;
-    p.active = false;
-    p.sock.reset();
-    if (!collect(p, kExitGrace)) {  // it closed its socket yet lives on: make sure it is gone
-      kill(p);
-      collect(p, std::chrono::seconds(30));
-    }
-    JobResult r{.kind = JobResult::Kind::kDied, .worker = w, .pid = p.pid};
-    if (p.status) r.status = *p.status;
-    if (!p.lost.empty()) r.message = p.lost;
+    workers_[static_cast<size_t>(w)].active = false;
+    JobResult r{.kind = JobResult::Kind::kDied, .worker = w, .pid = procs_.pid(w)};
+    if (const auto& status = procs_.status(w)) r.status = *status;
+    if (!procs_.lost(w).empty()) r.message = procs_.lost(w);
     return r;  // the jobs it held: when it is reported (report_death)
   }
 
-  void kill(Proc& p) { signal(p, SIGKILL); }
-  // Through its handle only: a PID may be another process's once its parent reaped it.
-  void signal(Proc& p, int sig) {
-    if (p.child) {
-      p.child.signal(sig);
-    } else {
-      p.server_child.signal(sig);
-    }
+  bool takes_jobs(size_t w) const {
+    return workers_[w].active && procs_.alive(static_cast<int>(w));
   }
 
-  bool collect(Proc& p, std::chrono::milliseconds timeout) {
-    if (p.status || !p.lost.empty() || p.pid <= 0) return true;
-    if (o_.start == JobStart::kServer) {
-      if (o_.server == nullptr) return false;  // detached: its exit report is not ours to read
-      try {
-        if (auto status = o_.server->wait_exit(p.pid, timeout)) {
-          p.status = launch::ExitStatus::from_wait_status(*status);
-        }
-      } catch (const forkguard::launch::SpawnError&) {
-        p.lost = o_.server->ended();  // its children die with it (PR_SET_PDEATHSIG)
-        return true;
-      }
-      return p.status.has_value();
-    }
-    pollfd q{p.child.pidfd(), POLLIN, 0};
-    int r;
-    do {
-      r = ::poll(&q, 1, static_cast<int>(timeout.count()));
-    } while (r < 0 && errno == EINTR);
-    if (r == 0) return false;
-    p.status = p.child.wait();
-    return true;
+  static JobOptions checked(JobOptions o) {
+    if (o.workers < 1) throw DataError(fmt::format("{} workers", o.workers));
+    if (o.prefetch < 1) throw DataError("prefetch must be at least 1");
+    return o;
   }
 
   JobOptions o_;
-  std::vector<Proc> procs_;
+  WorkerProcesses procs_;
+  std::vector<Worker> workers_;
   std::optional<cuda::HostPinning> pinning_;  // pin_device >= 0: made at the first slot
   std::vector<std::unique_ptr<SlotState>> slots_;
   std::map<uint64_t, Job> jobs_;     // submitted, not yet delivered, in job order

@@ -6,17 +6,10 @@
 //   objects as they are.
 // Either way the child serves the same loop: slots arrive as memfds over SCM_RIGHTS, tasks as
 // small messages, and each finished batch is answered with a small "done" message.
-#include <fcntl.h>
 #include <fmt/format.h>
-#include <poll.h>
-#include <signal.h>
-#include <sys/mman.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -27,11 +20,9 @@
 #include <tuple>
 #include <variant>
 
+#include "data/worker_processes.hpp"
 #include "data/worker_protocol.hpp"
-#include "data/worker_sockets.hpp"
 #include "data/workers.hpp"
-#include "detail/deadline.hpp"
-#include "detail/seqpacket.hpp"
 #include "forkguard/data/error.hpp"
 #include "forkguard/launch/exit_status.hpp"
 #include "forkguard/launch/launcher.hpp"
@@ -42,14 +33,9 @@
 namespace forkguard::data::detail {
 namespace {
 
-using forkguard::detail::kMaxFds;
-using forkguard::detail::recv_message;
-using forkguard::detail::send_message;
-using forkguard::detail::UniqueFd;
 using launch::detail::ForkServer;
 
 constexpr const char* kZygoteFunction = "forkguard.data.worker";
-constexpr auto kExitGrace = std::chrono::seconds(2);
 
 // A task's indices travel in its slot, not in the message (whose size is bounded by the socket's
 // buffer: about 26 000 indices): the loader writes them before it sends the task.
@@ -153,17 +139,13 @@ int serve(int sock, const Producer& producer) {
 
 // The zygote function: a fork of the fork server, with the loader's socket as `sock`.
 int worker_entry(int sock) {
-  std::vector<std::string> f;
-  int fds[kMaxFds];
-  if (!recv_message(sock, f, fds)) return 2;
-  UniqueFd description(fds[0]);
-  for (int k = 1; k < kMaxFds; ++k) {
-    if (fds[k] >= 0) ::close(fds[k]);
-  }
+  auto received = receive_setup(sock);
+  if (!received) return 2;
+  UniqueFd description = std::move(received->memfd);
   const SetupMessage* setup_message = nullptr;
   WorkerRequest request;
   try {
-    request = decode_worker_request(f);
+    request = decode_worker_request(received->fields);
     setup_message = std::get_if<SetupMessage>(&request);
   } catch (const DataError& e) {
     std::fprintf(stderr, "forkguard: process worker %d: %s\n", static_cast<int>(::getpid()),
@@ -217,10 +199,14 @@ int worker_entry(int sock) {
 std::string verdict_of_this_process();
 
 // ------------------------------------------------------------------ the loader's side
+// The processes are a WorkerProcesses pool; what is the image loader's is here: the setup, the
+// slots each worker has mapped, tasks and their "done" replies.
 class ProcessWorkers : public Workers {
  public:
-  ProcessWorkers(const WorkerSetup& setup, bool via_server) : setup_(setup), via_(via_server) {
-    procs_.resize(static_cast<size_t>(setup.workers));
+  ProcessWorkers(const WorkerSetup& setup, bool via_server)
+      : setup_(setup),
+        procs_(setup.workers, via_server ? ForkServer::get() : nullptr),
+        has_slot_(static_cast<size_t>(setup.workers)) {
     try {
       // Serialized once, into one memfd every worker reads: a dataset's description lists its
       // files.
@@ -240,7 +226,13 @@ class ProcessWorkers : public Workers {
         base = setup_memfd(json);
         base_size = json.size();
       }
-      for (int w = 0; w < setup.workers; ++w) start(w, base.get(), base_size);
+      for (int w = 0; w < setup.workers; ++w) {
+        if (via_server) {
+          start_call(w, base.get(), base_size);
+        } else {
+          guarded_fork(w);
+        }
+      }
     } catch (...) {
       stop(true);
       throw;
@@ -248,18 +240,17 @@ class ProcessWorkers : public Workers {
   }
 
   void await_started() override {
-    const auto deadline = setup_.start_timeout.count() > 0
-                              ? std::optional(Clock::now() + setup_.start_timeout)
-                              : std::nullopt;
-    std::string failures;
-    for (int w = 0; w < setup_.workers; ++w) {
-      std::string why = await_ready(w, deadline);
-      if (!why.empty()) {
-        failures +=
-            (failures.empty() ? "" : "; ") +
-            fmt::format("worker {} (PID {}): {}", w, procs_[static_cast<size_t>(w)].pid, why);
-      }
-    }
+    const std::string failures = procs_.await_all_ready<WorkerReply>(
+        setup_.start_timeout, "process worker reply",
+        {.not_running = "it is not running",
+         .timeout = fmt::format(
+             "it was not ready within {} ms (LoaderOptions::start_timeout): rebuilding its "
+             "dataset or transform, or its init hook, did not return",
+             setup_.start_timeout.count()),
+         .other = "it answered its setup with a \"done\" message",
+         .closed = [this](int w) {
+           return fmt::format("it {} before it was ready", procs_.how(w));
+         }});
     if (!failures.empty()) {
       stop(true);
       throw WorkerError(fmt::format("process workers could not start: {}", failures), -1, -1, {});
@@ -269,22 +260,24 @@ class ProcessWorkers : public Workers {
   ~ProcessWorkers() override { stop(); }
 
   void submit(int worker, Task task) override {
-    auto& p = procs_[static_cast<size_t>(worker)];
-    if (!p.alive) return;  // its death is reported by wait()
-    if (p.has_slot.size() <= static_cast<size_t>(task.slot)) {
-      p.has_slot.resize(static_cast<size_t>(task.slot) + 1, false);
+    if (!procs_.alive(worker)) return;  // its death is reported by wait()
+    const int sock = procs_.socket(worker);
+    const pid_t pid = procs_.pid(worker);
+    auto& has_slot = has_slot_[static_cast<size_t>(worker)];
+    if (has_slot.size() <= static_cast<size_t>(task.slot)) {
+      has_slot.resize(static_cast<size_t>(task.slot) + 1, false);
     }
-    if (!p.has_slot[static_cast<size_t>(task.slot)]) {
+    if (!has_slot[static_cast<size_t>(task.slot)]) {
       Slot& s = setup_.pool->get(task.slot);
       int fd = s.memory.fd();
-      if (!send_message(p.sock.get(),
-                        encode(SlotMessage{.slot = task.slot, .bytes = s.memory.size()}), &fd, 1) &&
+      if (!send_message(sock, encode(SlotMessage{.slot = task.slot, .bytes = s.memory.size()}), &fd,
+                        1) &&
           errno != EPIPE && errno != ECONNRESET) {
         throw WorkerError(fmt::format("cannot send slot {} to worker {} (PID {}): {}", task.slot,
-                                      worker, p.pid, std::strerror(errno)),
-                          worker, p.pid, task.indices);
+                                      worker, pid, std::strerror(errno)),
+                          worker, pid, task.indices);
       }
-      p.has_slot[static_cast<size_t>(task.slot)] = true;
+      has_slot[static_cast<size_t>(task.slot)] = true;
     }
     // The parts of a shared batch have the same indices: written once.
     const auto batch = std::make_tuple(task.epoch, task.batch, task.slot);
@@ -292,100 +285,49 @@ class ProcessWorkers : public Workers {
       put_indices(task.indices, setup_.pool->get(task.slot).memory.data(), setup_.producer.layout);
       indices_written_ = batch;
     }
-    if (!send_message(p.sock.get(), encode(TaskMessage{.epoch = task.epoch,
-                                                       .batch = task.batch,
-                                                       .slot = task.slot,
-                                                       .count = task.indices.size(),
-                                                       .shared = task.shared,
-                                                       .fresh = task.fresh}))) {
+    if (!send_message(sock, encode(TaskMessage{.epoch = task.epoch,
+                                               .batch = task.batch,
+                                               .slot = task.slot,
+                                               .count = task.indices.size(),
+                                               .shared = task.shared,
+                                               .fresh = task.fresh}))) {
       // A dead worker (EPIPE, ECONNRESET) is reported by wait(); anything else would leave the
       // batch waiting for a task its worker never got.
       if (errno != EPIPE && errno != ECONNRESET) {
         throw WorkerError(
             fmt::format("cannot send batch {} ({} samples) to worker {} (PID {}): {}", task.batch,
-                        task.indices.size(), worker, p.pid, std::strerror(errno)),
-            worker, p.pid, task.indices);
+                        task.indices.size(), worker, pid, std::strerror(errno)),
+            worker, pid, task.indices);
       }
     }
   }
 
   std::optional<WorkerEvent> wait(std::optional<Clock::time_point> deadline) override {
     while (true) {
-      std::vector<pollfd> fds;
-      std::vector<int> who;
-      const size_t n = procs_.size();
-      for (size_t k = 0; k < n; ++k) {
-        size_t w = (next_ + k) % n;  // rotate, so that no worker starves the others
-        if (procs_[w].alive) {
-          fds.push_back({procs_[w].sock.get(), POLLIN, 0});
-          who.push_back(static_cast<int>(w));
-        }
+      // Rotated, so that no worker starves the others.
+      auto r = procs_.receive(deadline, next_);
+      using Kind = WorkerProcesses::Received::Kind;
+      if (r.kind == Kind::kNone || r.kind == Kind::kTimeout) return std::nullopt;
+      next_ = static_cast<size_t>(r.worker) + 1;
+      if (r.kind == Kind::kEnded) {
+        WorkerEvent e;
+        e.kind = WorkerEvent::Kind::kDied;
+        e.worker = r.worker;
+        e.how = procs_.how(r.worker);
+        return e;
       }
-      if (fds.empty()) return std::nullopt;
-      int r = ::poll(fds.data(), fds.size(), forkguard::detail::poll_ms(deadline));
-      if (r < 0 && errno == EINTR) continue;
-      if (r == 0) return std::nullopt;
-      for (size_t k = 0; k < fds.size(); ++k) {
-        if (fds[k].revents == 0) continue;
-        int w = who[k];
-        next_ = static_cast<size_t>(w) + 1;
-        std::vector<std::string> f;
-        int got[kMaxFds];
-        if (recv_message(fds[k].fd, f, got, MSG_DONTWAIT)) {
-          for (int fd : got) {
-            if (fd >= 0) ::close(fd);
-          }
-          // Only "done" is expected here; a malformed one is the loader's DataError.
-          const WorkerReply reply = decode_worker_reply(f);
-          if (const auto* done = std::get_if<DoneReply>(&reply)) return done->event(w);
-          continue;
-        }
-        if (errno == EAGAIN) continue;
-        return died(w);
-      }
+      // Only "done" is expected here; a malformed one is the loader's DataError.
+      const WorkerReply reply = decode_worker_reply(r.fields);
+      if (const auto* done = std::get_if<DoneReply>(&reply)) return done->event(r.worker);
     }
   }
 
-  void stop(bool now = false) override {
-    for (auto& p : procs_) {
-      if (!p.alive) continue;
-      p.sock.reset();  // EOF: the worker finishes its task and exits
-      if (now) kill(p);
-    }
-    for (auto& p : procs_) {
-      if (p.alive) {
-        p.alive = false;
-        if (!collect(p, kExitGrace)) {
-          kill(p);
-          collect(p, std::chrono::seconds(30));
-        }
-      }
-      p.sock.reset();
-    }
-  }
+  void stop(bool now = false) override { procs_.stop(now); }
 
-  pid_t pid(int worker) const override { return procs_[static_cast<size_t>(worker)].pid; }
-  std::vector<pid_t> pids() const override {
-    std::vector<pid_t> out;
-    for (const auto& p : procs_) {
-      if (p.alive) out.push_back(p.pid);
-    }
-    return out;
-  }
+  pid_t pid(int worker) const override { return procs_.pid(worker); }
+  std::vector<pid_t> pids() const override { return procs_.alive_pids(); }
 
  private:
-  struct Proc {
-    pid_t pid = -1;
-    WorkerSocket sock;
-    launch::detail::Child child;               // a guarded fork's: ours until reaped
-    launch::detail::ServerChild server_child;  // the fork server's child: its handle
-    bool alive = false;
-    std::vector<bool> has_slot;
-    launch::ExitStatus status;  // once collected
-    bool collected = false;
-    std::string lost;  // collected: its fork server ended, and it with it (no status comes)
-  };
-
   nlohmann::json setup_json() const {
     auto d = setup_.dataset->describe();
     auto t = setup_.transform->describe();
@@ -403,32 +345,16 @@ class ProcessWorkers : public Workers {
             {"worker_init", setup_.worker_init}};
   }
 
-  void start(int w, int setup_fd, size_t setup_size) {
-    auto [mine, theirs] = make_worker_sockets();
-    auto& p = procs_[static_cast<size_t>(w)];
-    if (via_) {
-      auto started = ForkServer::get()->start_call(kZygoteFunction, theirs.get());
-      p.pid = started.pid();
-      p.server_child = std::move(started);
-      theirs.reset();
-      if (!send_message(mine.get(), encode(SetupMessage{.bytes = setup_size, .worker = w}),
-                        &setup_fd, 1)) {
-        const int e = errno;
-        p.sock = std::move(mine);  // closed by stop(): the worker sees EOF and exits
-        p.alive = true;
-        throw DataError(fmt::format("cannot send process worker {} its setup ({} bytes): {}", w,
-                                    setup_size, std::strerror(e)));
-      }
-    } else {
-      p.child = guarded_fork(w, theirs.get());
-      p.pid = p.child.pid();
-      theirs.reset();
+  void start_call(int w, int setup_fd, size_t setup_size) {
+    procs_.start_call(w, kZygoteFunction);
+    if (const int e = procs_.send_setup(w, setup_size, setup_fd)) {
+      // Its socket is closed by stop(): the worker sees EOF and exits.
+      throw DataError(fmt::format("cannot send process worker {} its setup ({} bytes): {}", w,
+                                  setup_size, std::strerror(e)));
     }
-    p.sock = std::move(mine);
-    p.alive = true;
   }
 
-  launch::detail::Child guarded_fork(int w, int child_sock) {
+  void guarded_fork(int w) {
     // Everything is prepared here, before the fork: its name, its producer, and the check that
     // this process may fork (the worker is a copy of it).
     const std::string name = fmt::format("fg-worker-{}", w);
@@ -445,119 +371,29 @@ class ProcessWorkers : public Workers {
     // Its own process group: a terminal's Ctrl-C stops the loader, which then stops its workers.
     // It keeps what this process has open (the dataset's files), all but the sockets of every
     // worker pool of this process (start_worker).
-    return start_worker({.main =
-                             [&, w, child_sock] {
-                               // The worker: a copy of a CUDA-clean process, which may allocate.
-                               // Only the init hook's own effect is probed here (what the hook
-                               // did, after it ran).
-                               if (why.empty() && !setup_.worker_init.empty()) {
-                                 why = prepare_worker(setup_, w);
-                               }
-                               if (!why.empty()) {
-                                 send_message(child_sock, encode(FailedReply{why}));
-                                 return 3;
-                               }
-                               send_message(child_sock, encode(ReadyReply{}));
-                               return serve(child_sock, producer);
-                             },
-                         .close_other_fds = false,
-                         .name = name.c_str(),
-                         .what = fmt::format("process worker {}", w)},
-                        child_sock);
-  }
-
-  std::string await_ready(int w, std::optional<Clock::time_point> deadline) {
-    auto& p = procs_[static_cast<size_t>(w)];
-    if (!p.alive) return "it is not running";
-    std::vector<std::string> f;
-    int fds[kMaxFds];
-    if (deadline) {
-      pollfd q{p.sock.get(), POLLIN, 0};
-      int r;
-      do {
-        r = ::poll(&q, 1, forkguard::detail::poll_ms(deadline));
-      } while (r < 0 && errno == EINTR);
-      if (r == 0) {
-        return fmt::format(
-            "it was not ready within {} ms (LoaderOptions::start_timeout): rebuilding its "
-            "dataset or transform, or its init hook, did not return",
-            setup_.start_timeout.count());
-      }
-    }
-    if (!recv_message(p.sock.get(), f, fds)) {
-      p.alive = false;
-      collect(p, kExitGrace);
-      return fmt::format("it {} before it was ready", how(p));
-    }
-    try {
-      const WorkerReply reply = decode_worker_reply(f);
-      if (std::holds_alternative<ReadyReply>(reply)) return {};
-      if (const auto* failed = std::get_if<FailedReply>(&reply)) return failed->message;
-      return "it answered its setup with a \"done\" message";
-    } catch (const DataError& e) {
-      return e.what();
-    }
-  }
-
-  WorkerEvent died(int w) {
-    auto& p = procs_[static_cast<size_t>(w)];
-    p.alive = false;
-    p.sock.reset();
-    if (!collect(p, kExitGrace)) {  // it closed its socket yet lives on: make sure it is gone
-      kill(p);
-      collect(p, std::chrono::seconds(30));
-    }
-    WorkerEvent e;
-    e.kind = WorkerEvent::Kind::kDied;
-    e.worker = w;
-    e.how = how(p);
-    return e;
-  }
-
-  std::string how(const Proc& p) const {
-    if (!p.collected) return "stopped (exit status unknown)";
-    if (!p.lost.empty()) return "died with its fork server: " + p.lost;
-    return p.status.to_string();
-  }
-
-  // Through a handle that names it even once its PID is reused: its Child (to its process group),
-  // or the fork server's child's pidfd (none: it had exited by the time the reply was read).
-  void kill(Proc& p) {
-    if (p.child) {
-      p.child.signal(SIGKILL);
-    } else {
-      p.server_child.signal(SIGKILL);
-    }
-  }
-
-  // Waits for the worker's exit status: from the fork server, or by reaping our own child.
-  bool collect(Proc& p, std::chrono::milliseconds timeout) {
-    if (p.collected || p.pid <= 0) return true;
-    if (via_) {
-      try {
-        if (auto status = ForkServer::get()->wait_exit(p.pid, timeout)) {
-          p.status = launch::ExitStatus::from_wait_status(*status);
-          p.collected = true;
-        }
-      } catch (const forkguard::launch::SpawnError&) {
-        p.lost = ForkServer::get()->ended();  // its children die with it (PR_SET_PDEATHSIG)
-        p.collected = true;
-      }
-      return p.collected;
-    }
-    auto status = p.child.wait_for(timeout);
-    if (!status) return false;
-    // Not started: it could not be reaped (not ours any more); its status stays unknown.
-    if (status->kind != launch::ExitStatus::Kind::kNotStarted) {
-      p.status = *status;
-      p.collected = true;
-    }
-    return true;
+    procs_.start_fork(w,
+                      {.close_other_fds = false,
+                       .name = name.c_str(),
+                       .what = fmt::format("process worker {}", w)},
+                      [&, w](int child_sock) {
+                        // The worker: a copy of a CUDA-clean process, which may allocate. Only
+                        // the init hook's own effect is probed here (what the hook did, after
+                        // it ran).
+                        if (why.empty() && !setup_.worker_init.empty()) {
+                          why = prepare_worker(setup_, w);
+                        }
+                        if (!why.empty()) {
+                          send_message(child_sock, encode(FailedReply{why}));
+                          return 3;
+                        }
+                        send_message(child_sock, encode(ReadyReply{}));
+                        return serve(child_sock, producer);
+                      });
   }
 
   WorkerSetup setup_;
-  bool via_;
-  std::vector<Proc> procs_;
+  WorkerProcesses procs_;
+  std::vector<std::vector<bool>> has_slot_;  // by worker: the slots it has mapped
   std::tuple<uint64_t, size_t, int> indices_written_{~0ull, 0, -1};  // (epoch, batch, slot)
   size_t next_ = 0;
 };

@@ -94,4 +94,15 @@ std::string read_setup(int fd, size_t size) {
   return out;
 }
 
+std::optional<ReceivedSetup> receive_setup(int sock) {
+  ReceivedSetup out;
+  int fds[kMaxFds];
+  if (!recv_message(sock, out.fields, fds)) return std::nullopt;
+  out.memfd = UniqueFd(fds[0]);
+  for (int k = 1; k < kMaxFds; ++k) {
+    if (fds[k] >= 0) ::close(fds[k]);
+  }
+  return out;
+}
+
 }  // namespace forkguard::data::detail

@@ -28,6 +28,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <variant>
@@ -37,11 +38,17 @@
 #include "data/workers.hpp"
 #include "detail/fd.hpp"
 #include "detail/message_fields.hpp"
+#include "detail/seqpacket.hpp"
 
 namespace forkguard::data::detail {
 
+// The loaders' and their workers' socket I/O (detail/seqpacket.hpp) and message fields.
 using forkguard::detail::at_least;
 using forkguard::detail::Bounds;
+using forkguard::detail::kMaxFds;
+using forkguard::detail::recv_message;
+using forkguard::detail::send_message;
+using forkguard::detail::UniqueFd;
 
 // The pipeline to rebuild: a JSON description of BYTES bytes in the attached memfd.
 struct SetupMessage {
@@ -164,5 +171,13 @@ WorkerReply decode_worker_reply(const std::vector<std::string>& f);
 // lists its files (tens of MB for a million of them). Throw SystemError.
 forkguard::detail::UniqueFd setup_memfd(const std::string& setup);
 std::string read_setup(int fd, size_t size);
+
+// A worker's first message (its setup, still to be decoded) and the fd it came with (the memfd; any
+// other fd is closed). nullopt: its loader closed the socket first.
+struct ReceivedSetup {
+  std::vector<std::string> fields;
+  forkguard::detail::UniqueFd memfd;
+};
+std::optional<ReceivedSetup> receive_setup(int sock);
 
 }  // namespace forkguard::data::detail
