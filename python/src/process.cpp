@@ -25,16 +25,18 @@
 // the owner's to signal and reap.
 //
 // serve_zygote: the interpreter fork server's loop (python/forkguard/_server.py hands it its socket
-// once it has preloaded). It sends `ready`, then serves requests until EOF: an `entry` or `call`
-// request (launch/zygote_protocol.hpp) is decoded here, typed, and given to the handler named
-// "entry" (with an EntryRequest) or named after the call's function; any other request to the
-// handler named after its first field, with the rest. A handler gets (request, fds, own): the fds
-// that came with it (it closes them) and this loop's own fds, which a child must not keep (the
-// socket, the other children's pidfds). It returns a ChildProcess it started (held and reaped
-// here, replied as `started PID` with its pidfd, and `exit PID STATUS` once it exited), a str (an
-// `error` reply), a list of reply fields, or None. At EOF every child left is killed and reaped.
+// once it has preloaded): the one fork-server loop (launch/zygote_loop.hpp) with Python handlers.
+// It sends `ready`, then serves requests until EOF: each is decoded as a typed message
+// (decode_server_request: a malformed one is answered with why) and given to the handler of its
+// kind (a `call`: of its function) as handler(fds, own, **fields): `fds` came with it (the
+// handler closes them), `own` are the loop's fds, which no child may keep (the socket, the
+// children's pidfds). A handler returns a ChildProcess it started (the loop takes its Child, holds
+// and reaps it, replies `started PID` with its pidfd and `exit PID STATUS` once it exited), a str
+// (an `error` reply), or a reply as (kind, {fields}), encoded and checked here. At EOF every child
+// left is killed and reaped.
 //
-//   _native.serve_zygote(sock.fileno(), ["ready", ...], {"entry": rank, "preload": preload, ...})
+//   _native.serve_zygote(fd, {"pid": os.getpid(), "preloaded": "[]", "errors": "{}"},
+//                        {"entry": notebook_rank, "preload": preload, ...})
 //
 // Thread-safety: one handle per owner; wait() releases the GIL. start_python_child must be
 // called by a thread holding the GIL, like os.fork; so must serve_zygote, which releases it while
@@ -61,6 +63,7 @@
 #include "detail/seqpacket.hpp"
 #include "forkguard/error.hpp"
 #include "launch/child.hpp"
+#include "launch/zygote_loop.hpp"
 #include "launch/zygote_protocol.hpp"
 
 namespace py = pybind11;
@@ -82,6 +85,11 @@ class ChildProcess {
 
   int pid() const { return pid_; }
   int pidfd() const { return mine() ? child_.pidfd() : -1; }
+  // Its Child, for a new holder (the fork server's loop); this handle is empty afterwards.
+  fl::detail::Child take() {
+    if (!mine()) throw forkguard::Error("a fork's copy of a child's handle cannot give it away");
+    return std::move(child_);
+  }
 
   std::optional<int> poll() {
     if (auto s = try_wait()) return returncode(*s);
@@ -186,13 +194,6 @@ std::unique_ptr<ChildProcess> start_python_child(py::function fn, int stdout_fd,
   return std::make_unique<ChildProcess>(std::move(child));
 }
 
-void send_or_throw(int sock, const std::vector<std::string>& fields, const int* fds = nullptr,
-                   int nfds = 0) {
-  if (!forkguard::detail::send_message(sock, fields, fds, nfds)) {
-    throw forkguard::SystemError("the fork server's reply", errno);
-  }
-}
-
 // A field as str, undecodable bytes kept as os.fsdecode keeps them (an environment may hold any).
 py::object text(const std::string& field) {
   PyObject* s =
@@ -205,10 +206,6 @@ py::list texts(const std::vector<std::string>& fields) {
   py::list out;
   for (const auto& f : fields) out.append(text(f));
   return out;
-}
-
-void close_all(const std::vector<int>& fds) {
-  for (int fd : fds) ::close(fd);
 }
 
 // A message's fields as a handler's keyword arguments (name -> value).
@@ -269,80 +266,23 @@ std::vector<std::string> encode_server_reply(const std::string& kind, py::dict f
   return *out;
 }
 
-class ZygoteLoop {
+// The interpreter fork server's requests, for the one fork-server loop (launch/zygote_loop.hpp):
+// each decoded (a malformed one is answered with why) and given to the Python handler of its kind
+// (a `call`: of its function) as handler(fds, own, **fields). The loop runs with the GIL held and
+// lets it go while it waits.
+class PythonHandlers : public fl::detail::ZygoteHandler {
  public:
-  ZygoteLoop(int sock, py::dict handlers) : sock_(sock), handlers_(std::move(handlers)) {}
-  ZygoteLoop(const ZygoteLoop&) = delete;
-  ZygoteLoop& operator=(const ZygoteLoop&) = delete;
-  // Whatever ends the loop (EOF, an error, a signal's exception), no child outlives it.
-  ~ZygoteLoop() {
-    for (auto& [pid, c] : children_) c.cast<ChildProcess&>().signal(SIGKILL);
-    for (auto& [pid, c] : children_) c.cast<ChildProcess&>().wait(std::nullopt);
-  }
+  explicit PythonHandlers(py::dict handlers) : handlers_(std::move(handlers)) {}
 
-  void serve() {
-    std::vector<pollfd> polled;
-    while (true) {
-      polled.assign(1, {sock_, POLLIN, 0});
-      for (auto& [pid, c] : children_) {
-        polled.push_back({c.cast<ChildProcess&>().pidfd(), POLLIN, 0});
-      }
-      int r;
-      {
-        py::gil_scoped_release nogil;
-        r = ::poll(polled.data(), polled.size(), -1);
-      }
-      if (r < 0) {
-        if (errno != EINTR) throw forkguard::SystemError("poll", errno);
-        if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-        continue;
-      }
-      // Exits first: a child reported here was started (and replied to) before this wake-up.
-      for (auto it = children_.begin(); it != children_.end();) {
-        if (auto status = it->second.cast<ChildProcess&>().status()) {
-          send_or_throw(sock_, fl::detail::encode(
-                                   fl::detail::ExitReport{.pid = it->first, .status = *status}));
-          it = children_.erase(it);
-        } else {
-          ++it;
-        }
-      }
-      if (polled[0].revents == 0) continue;
-      std::vector<std::string> fields;
-      std::vector<int> fds;
-      bool got;
-      {
-        py::gil_scoped_release nogil;
-        got = forkguard::detail::recv_message(sock_, fields, fds);
-      }
-      if (!got) {
-        if (errno != 0) throw forkguard::SystemError("the fork server's socket", errno);
-        return;  // EOF: the caller is gone, or let go of us
-      }
-      reply(handle(fields, fds));
-    }
-  }
-
- private:
-  // What a child must not keep: the socket, the other children's pidfds.
-  std::vector<int> own_fds() {
-    std::vector<int> own = {sock_};
-    for (auto& [pid, c] : children_) own.push_back(c.cast<ChildProcess&>().pidfd());
-    return own;
-  }
-
-  // The handler's result, or why there is none (a str: the error reply). The fds are the
-  // handler's once it is called; closed here otherwise.
-  py::object handle(const std::vector<std::string>& fields, std::vector<int>& fds) {
+  std::variant<fl::detail::Child, std::vector<std::string>> handle(
+      const std::vector<std::string>& fields, std::vector<int>& fds,
+      const std::vector<int>& own) override {
     try {
-      auto request = fl::detail::decode_server_request(fields);
-      return std::visit(
+      return reply(std::visit(
           [&]<class M>(const M& m) {
             std::string name(M::kKind);
             if constexpr (std::is_same_v<M, fl::detail::CallRequest>) name = m.function;
             if (!handlers_.contains(name)) {
-              close_all(fds);
-              fds.clear();
               return py::object(py::str(fmt::format(
                   "the Python fork server cannot start {} (it starts notebook_launch ranks, "
                   "DataLoader workers and rerouted Processes only)",
@@ -350,62 +290,72 @@ class ZygoteLoop {
             }
             ToKeywords keywords;
             M::fields(keywords, m);
-            const std::vector<int> own = own_fds();
             py::list given;
             for (int fd : fds) given.append(fd);
             fds.clear();  // the handler's now
             return handlers_[py::str(name)](given, own, **keywords.out);
           },
-          request);
+          fl::detail::decode_server_request(fields)));
     } catch (py::error_already_set& e) {
       if (e.matches(PyExc_KeyboardInterrupt) || e.matches(PyExc_SystemExit)) throw;
-      close_all(fds);
-      return py::str(e.what());
+      return fl::detail::encode(fl::detail::ErrorReply{.message = e.what()});
     } catch (const std::exception& e) {
-      close_all(fds);
-      return py::str(e.what());
+      return fl::detail::encode(fl::detail::ErrorReply{.message = e.what()});
     }
   }
 
-  // A started ChildProcess (held until reaped), a str (an error), a reply as (kind, {fields}), or
-  // None (no reply).
-  void reply(py::object result) {
-    if (result.is_none()) return;
-    if (py::isinstance<ChildProcess>(result)) {
-      auto& child = result.cast<ChildProcess&>();
-      const int pidfd = child.pidfd();
-      const pid_t pid = child.pid();
-      children_.emplace(pid, std::move(result));
-      // With its pidfd: the caller signals it by that, never by a PID that a later process may
-      // have once this loop reaped it.
-      return send_or_throw(sock_, fl::detail::encode(fl::detail::StartedReply{.pid = pid}), &pidfd,
-                           1);
+  int wait(pollfd* fds, size_t count) override {
+    int r;
+    {
+      py::gil_scoped_release nogil;
+      r = ::poll(fds, static_cast<nfds_t>(count), -1);
     }
-    std::vector<std::string> fields;
+    if (r < 0 && errno == EINTR && PyErr_CheckSignals() != 0) throw py::error_already_set();
+    return r;
+  }
+
+ private:
+  // A started ChildProcess (the loop holds its Child from here on), a str (an error), or a reply
+  // as (kind, {fields}).
+  static std::variant<fl::detail::Child, std::vector<std::string>> reply(py::object result) {
+    if (py::isinstance<ChildProcess>(result)) return result.cast<ChildProcess&>().take();
     if (py::isinstance<py::str>(result)) {
-      fields = fl::detail::encode(fl::detail::ErrorReply{.message = result.cast<std::string>()});
-    } else {
-      try {
-        auto [kind, values] = result.cast<std::pair<std::string, py::dict>>();
-        fields = encode_server_reply(kind, values);
-      } catch (const std::exception& e) {  // a handler's bug: the caller hears of it
-        fields = fl::detail::encode(fl::detail::ErrorReply{
-            .message =
-                fmt::format("the Python fork server's handler gave a bad reply: {}", e.what())});
-      }
+      return fl::detail::encode(fl::detail::ErrorReply{.message = result.cast<std::string>()});
     }
-    send_or_throw(sock_, fields);
+    try {
+      auto [kind, values] = result.cast<std::pair<std::string, py::dict>>();
+      return encode_server_reply(kind, values);
+    } catch (const std::exception& e) {  // a handler's bug: the caller hears of it
+      return fl::detail::encode(fl::detail::ErrorReply{
+          .message =
+              fmt::format("the Python fork server's handler gave a bad reply: {}", e.what())});
+    }
   }
 
-  int sock_;
   py::dict handlers_;
-  std::map<pid_t, py::object> children_;  // each a ChildProcess
 };
 
+// At the loop's end (EOF, or an exception), no child outlives it: each is killed (a rank with its
+// process group) and reaped.
+void stop_all(std::map<pid_t, fl::detail::Child>& children) {
+  for (auto& [pid, c] : children) c.signal(SIGKILL);
+  py::gil_scoped_release nogil;
+  for (auto& [pid, c] : children) c.wait();
+}
+
 void serve_zygote(int sock, py::dict ready, py::dict handlers) {
-  send_or_throw(sock, encode_server_reply("ready", std::move(ready)));
-  ZygoteLoop loop(sock, std::move(handlers));
-  loop.serve();
+  if (!forkguard::detail::send_message(sock, encode_server_reply("ready", std::move(ready)))) {
+    throw forkguard::SystemError("the fork server's ready message", errno);
+  }
+  PythonHandlers python(std::move(handlers));
+  std::map<pid_t, fl::detail::Child> children;
+  try {
+    fl::detail::serve_zygote(sock, python, children);
+  } catch (...) {
+    stop_all(children);
+    throw;
+  }
+  stop_all(children);
 }
 
 }  // namespace

@@ -5,7 +5,6 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
-#include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -33,6 +32,7 @@
 #include "forkguard/probe/cuda_state.hpp"
 #include "launch/child.hpp"
 #include "launch/init_state.hpp"
+#include "launch/zygote_loop.hpp"
 #include "launch/zygote_protocol.hpp"
 
 extern char** environ;
@@ -55,15 +55,15 @@ forkguard::detail::Registry<ZygoteFunction>& zygote_functions() {
 }
 
 // ---------------------------------------------------------------- the zygote's side
-// Every child it starts stays a Child (children_) until SIGCHLD says it exited: it is then reaped
-// through its handle, and its exit reported as the wait status waitpid() would give.
+// The requests of the zygote loop (launch/zygote_loop.hpp), which keeps every child as a Child
+// until it exited and reports it.
 //
 // The zygote leaves by _exit() (EOF on its socket: the program is gone or stopping it), and the
 // object is never destroyed (see fork_zygote): its children are stopped by their parent-death
 // signal (a rank's reaper: SIGTERM, and it kills its tree; a call child: SIGKILL), all at once,
 // not one by one by each Child's stop policy (SIGTERM, 5 s, SIGKILL), which would hold the
 // zygote for up to 5 s per child while the program waits 1 s before it SIGKILLs the zygote.
-class Zygote {
+class Zygote : public ZygoteHandler {
  public:
   explicit Zygote(int sock) : sock_(sock) {}
   Zygote(const Zygote&) = delete;
@@ -76,76 +76,33 @@ class Zygote {
     sigset_t blocked;
     sigemptyset(&blocked);
     for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT}) sigaddset(&blocked, sig);
-    sigaddset(&blocked, SIGCHLD);
     ::sigprocmask(SIG_BLOCK, &blocked, nullptr);
-    sigset_t chld;
-    sigemptyset(&chld);
-    sigaddset(&chld, SIGCHLD);
-    int sfd = ::signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
-    while (true) {
-      pollfd fds[2] = {{sock_, POLLIN, 0}, {sfd, POLLIN, 0}};
-      if (::poll(fds, 2, -1) < 0) {
-        if (errno == EINTR) continue;
-        break;
-      }
-      if (fds[1].revents != 0) {
-        signalfd_siginfo info;
-        while (::read(sfd, &info, sizeof info) == sizeof info) {
-        }
-        reap();
-      }
-      if (fds[0].revents != 0) {
-        std::vector<std::string> fields;
-        int io[kMaxFds];
-        if (!recv_message(sock_, fields, io, 0)) break;  // the program is gone: so are we
-        handle(fields, io);
-        for (int fd : io) {
-          if (fd >= 0) ::close(fd);
-        }
-      }
+    try {
+      serve_zygote(sock_, *this, children_);
+    } catch (const std::exception&) {  // its socket failed: the program is gone
     }
     ::_exit(0);  // PR_SET_PDEATHSIG takes our children with us (see the class comment)
   }
 
- private:
-  // One report per child that exited (one SIGCHLD may stand for several), in PID order.
-  void reap() {
-    for (auto it = children_.begin(); it != children_.end();) {
-      if (auto status = it->second.try_wait()) {
-        send_message(sock_, encode(ExitReport{.pid = it->first, .status = status->wait_status()}),
-                     nullptr, 0);
-        it = children_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-  }
-
-  // Keeps the child until it is reaped, and tells the program its PID. Its exit report can only
-  // follow this reply: reap() runs on this thread, after it.
-  void started(Child child) {
-    const pid_t pid = child.pid();
-    children_.emplace(pid, std::move(child));
-    send_message(sock_, encode(StartedReply{.pid = pid}), nullptr, 0);
-  }
-
-  void reply_error(const std::string& why) {
-    send_message(sock_, encode(ErrorReply{.message = why}), nullptr, 0);
-  }
-
-  void handle(const std::vector<std::string>& f, const int io[kMaxFds]) {
+  std::variant<Child, std::vector<std::string>> handle(const std::vector<std::string>& f,
+                                                       std::vector<int>& fds,
+                                                       const std::vector<int>&) override {
+    // Each child gets the attached fds it needs (start_child duplicates them); the loop closes
+    // them here afterwards. Every other fd of the zygote is closed in the child.
+    auto fd = [&](size_t i) { return i < fds.size() ? fds[i] : -1; };
     try {
       // A malformed request is refused before anything is forked: its reason is the reply.
       ZygoteRequest request = decode_zygote_request(f);
-      ChildIo child_io{io[0], io[1]};
-      if (auto* r = std::get_if<EntryRequest>(&request)) return start_entry(*r, child_io);
-      if (auto* r = std::get_if<ExecRequest>(&request)) return start_exec(*r, child_io);
-      if (auto* r = std::get_if<CallRequest>(&request)) return start_call(*r, child_io, io[2]);
+      ChildIo io{fd(0), fd(1)};
+      if (auto* r = std::get_if<EntryRequest>(&request)) return start_entry(*r, io);
+      if (auto* r = std::get_if<ExecRequest>(&request)) return start_exec(*r, io);
+      return start_call(std::get<CallRequest>(request), io, fd(2));
     } catch (const std::exception& e) {
-      reply_error(e.what());
+      return encode(ErrorReply{.message = e.what()});
     }
   }
 
+ private:
   void check_clean() {
     auto dirty = probe::self_if_fork_unsafe();
     if (!dirty) return;
@@ -160,45 +117,45 @@ class Zygote {
                     ::getpid(), probe::to_string(state.verdict), evidence));
   }
 
-  void start_entry(EntryRequest& r, const ChildIo& io) {
+  Child start_entry(EntryRequest& r, const ChildIo& io) {
     EntryFunction fn = find_entry(r.name);
-    if (fn == nullptr) return reply_error(unknown_entry(r.name));
+    if (fn == nullptr) throw Error(unknown_entry(r.name));
     check_clean();
     auto envp = c_array(r.env);
     const RankContext& ctx = r.ctx;
-    started(start_child({.main = [fn, &ctx] { return fn(ctx); },
-                         .environ_for_main = envp.data(),
-                         .stdout_fd = io.stdout_fd,
-                         .stderr_fd = io.stderr_fd,
-                         .reap_tree = true,
-                         .what = fmt::format("rank {}", ctx.rank)}));
+    return start_child({.main = [fn, &ctx] { return fn(ctx); },
+                        .environ_for_main = envp.data(),
+                        .stdout_fd = io.stdout_fd,
+                        .stderr_fd = io.stderr_fd,
+                        .reap_tree = true,
+                        .what = fmt::format("rank {}", ctx.rank)});
   }
 
-  void start_exec(const ExecRequest& r, const ChildIo& io) {
+  Child start_exec(const ExecRequest& r, const ChildIo& io) {
     EnvMap env;
     for (const auto& kv : r.env) {
       auto eq = kv.find('=');
       if (eq != std::string::npos) env[kv.substr(0, eq)] = kv.substr(eq + 1);
     }
     const auto exec = prepare_exec(r.argv, env);
-    started(start_child(
-        {.exec = &exec, .stdout_fd = io.stdout_fd, .stderr_fd = io.stderr_fd, .reap_tree = true}));
+    return start_child(
+        {.exec = &exec, .stdout_fd = io.stdout_fd, .stderr_fd = io.stderr_fd, .reap_tree = true});
   }
 
   // The function's fd is the third attached fd.
-  void start_call(const CallRequest& r, const ChildIo& io, int fd) {
-    if (fd < 0) return reply_error("zygote request \"call\": no fd attached for the function");
+  Child start_call(const CallRequest& r, const ChildIo& io, int fd) {
+    if (fd < 0) throw Error("zygote request \"call\": no fd attached for the function");
     auto found = zygote_functions().find(r.function);
-    if (!found) return reply_error(zygote_functions().unknown(r.function));
+    if (!found) throw Error(zygote_functions().unknown(r.function));
     check_clean();
     ZygoteFunction fn = *found;
     // A fork of the single-threaded zygote: the function may allocate. Its fd is 3 there (the
     // zygote's own socket is not passed on).
-    started(start_child({.main = [fn] { return fn(3); },
-                         .stdout_fd = io.stdout_fd,
-                         .stderr_fd = io.stderr_fd,
-                         .keep_fds = {{fd, 3, false}},
-                         .what = r.function}));
+    return start_child({.main = [fn] { return fn(3); },
+                        .stdout_fd = io.stdout_fd,
+                        .stderr_fd = io.stderr_fd,
+                        .keep_fds = {{fd, 3, false}},
+                        .what = r.function});
   }
 
   int sock_;
@@ -430,41 +387,6 @@ std::optional<int> ForkServer::wait_exit(pid_t pid, std::chrono::milliseconds ti
   }
 }
 
-namespace {
-
-// The parent PID in /proc/PID/stat ("PID (comm) state PPID ..."; comm may hold spaces and
-// parentheses), or -1.
-pid_t parent_of(pid_t pid) {
-  char path[64];
-  std::snprintf(path, sizeof path, "/proc/%d/stat", static_cast<int>(pid));
-  const UniqueFd fd(::open(path, O_RDONLY | O_CLOEXEC));
-  if (!fd) return -1;
-  char buf[512];
-  const ssize_t n = ::read(fd.get(), buf, sizeof buf - 1);
-  if (n <= 0) return -1;
-  buf[n] = '\0';
-  const char* end = std::strrchr(buf, ')');
-  char state = 0;
-  int ppid = -1;
-  if (end == nullptr || std::sscanf(end + 1, " %c %d", &state, &ppid) != 2) return -1;
-  return ppid;
-}
-
-}  // namespace
-
-// The server reaps a child only once it exited, and only a reaped child's PID can be reused. A
-// pidfd_open() of the PID after the "started" reply may therefore name another process only if
-// the child already exited, was reaped and its PID was taken. That process is no child of the
-// server: the server forks only on a request, and requests are sent under mutex_ (request(),
-// exchange()), held here until the check is done. So a pidfd whose process is, after the open,
-// still the server's child (its PPID; a zombie still counts) names our child: it is kept. Any
-// other is dropped: the child is gone, and its exit report on its way.
-UniqueFd ForkServer::open_child_pidfd(pid_t child) const {
-  UniqueFd fd(static_cast<int>(::syscall(SYS_pidfd_open, child, 0)));
-  if (fd && parent_of(child) != pid_) fd.reset();
-  return fd;
-}
-
 ServerChild ForkServer::request(const std::vector<std::string>& fields, int stdout_fd,
                                 int stderr_fd, int extra_fd) {
   std::lock_guard lock(mutex_);
@@ -483,11 +405,10 @@ ServerChild ForkServer::request(const std::vector<std::string>& fields, int stdo
   }
   UniqueFd sent = std::move(reply_fd_);
   if (const auto* started = std::get_if<StartedReply>(&reply_)) {
-    // The Python server sends the pidfd it opened before it could reap the child; the zygote
-    // sends none, and one is opened here.
-    UniqueFd pidfd = sent ? std::move(sent) : open_child_pidfd(started->pid);
-    if (!pidfd) return ServerChild(started->pid);
-    return ServerChild(started->pid, std::move(pidfd));
+    // Both fork servers send the child's pidfd with the reply (launch/zygote_loop.hpp): opened
+    // before the child could be reaped, it names that child for good.
+    if (!sent) return ServerChild(started->pid);
+    return ServerChild(started->pid, std::move(sent));
   }
   throw SpawnError(fmt::format("the fork server (PID {}) refused: {}", pid_,
                                std::get<ErrorReply>(reply_).message));

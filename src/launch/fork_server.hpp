@@ -89,9 +89,6 @@ class ForkServer {
   ServerChild request(const std::vector<std::string>& fields, int stdout_fd, int stderr_fd,
                       int extra_fd = -1);
   bool read_one(bool block);  // one message: exit reports are queued, a reply is stored
-  // A pidfd for the child the server just said it started; empty unless it surely names that
-  // child. Called under mutex_, before any other request (see the definition).
-  forkguard::detail::UniqueFd open_child_pidfd(pid_t child) const;
   // The zygote's socket is closed: reaps it and forks a new one (said on stderr; the notice is
   // returned), or throws SpawnError saying why it cannot (not the owner, CUDA state here).
   std::string replace_dead_zygote();
