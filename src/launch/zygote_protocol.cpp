@@ -32,6 +32,36 @@ std::vector<std::string> encode(const ErrorReply& m) {
 std::vector<std::string> encode(const ExitReport& m) {
   return encode_message(m);
 }
+std::vector<std::string> encode(const PreloadRequest& m) {
+  return encode_message(m);
+}
+std::vector<std::string> encode(const HoldFdsRequest& m) {
+  return encode_message(m);
+}
+std::vector<std::string> encode(const ReleaseFdsRequest& m) {
+  return encode_message(m);
+}
+std::vector<std::string> encode(const DataLoaderHoldRequest& m) {
+  return encode_message(m);
+}
+std::vector<std::string> encode(const DataLoaderReleaseRequest& m) {
+  return encode_message(m);
+}
+std::vector<std::string> encode(const GuardStartRequest& m) {
+  return encode_message(m);
+}
+std::vector<std::string> encode(const ReadyReply& m) {
+  return encode_message(m);
+}
+std::vector<std::string> encode(const PreloadedReply& m) {
+  return encode_message(m);
+}
+std::vector<std::string> encode(const HeldReply& m) {
+  return encode_message(m);
+}
+std::vector<std::string> encode(const ReleasedReply& m) {
+  return encode_message(m);
+}
 
 ZygoteRequest decode_zygote_request(const std::vector<std::string>& f) {
   return decode_one_of<ZygoteRequest>(f, "zygote request", &raise);

@@ -258,6 +258,17 @@ std::vector<std::string> encode(const ExitReport& m);
 // unknown kind, and a missing, extra or malformed field.
 ZygoteRequest decode_zygote_request(const std::vector<std::string>& f);
 ZygoteReply decode_zygote_reply(const std::vector<std::string>& f);
+std::vector<std::string> encode(const PreloadRequest& m);
+std::vector<std::string> encode(const HoldFdsRequest& m);
+std::vector<std::string> encode(const ReleaseFdsRequest& m);
+std::vector<std::string> encode(const DataLoaderHoldRequest& m);
+std::vector<std::string> encode(const DataLoaderReleaseRequest& m);
+std::vector<std::string> encode(const GuardStartRequest& m);
+std::vector<std::string> encode(const ReadyReply& m);
+std::vector<std::string> encode(const PreloadedReply& m);
+std::vector<std::string> encode(const HeldReply& m);
+std::vector<std::string> encode(const ReleasedReply& m);
+
 // The same for the interpreter server ("interpreter server request ...", "... reply ...").
 ServerRequest decode_server_request(const std::vector<std::string>& f);
 ServerReply decode_server_reply(const std::vector<std::string>& f);
