@@ -5,7 +5,7 @@
 #   caller -> server  guard_start NAME
 #                     + fds [payload, sentinel_w, parent_alive_r, stdout, stderr, tracker_w,
 #                            *inherited]
-#   server -> caller  guard_started PID | error MESSAGE    (then exit PID STATUS, as for a rank)
+#   server -> caller  started PID + its pidfd | error MESSAGE  (then exit PID STATUS, as for a rank)
 #
 # payload (a memfd, read from its offset; see _guard_reroute.py): a plain pickle of the parts,
 # each a pickle and the indexes of its out-of-band buffers ("buffers": offset, size, read-only in

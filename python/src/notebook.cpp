@@ -15,6 +15,7 @@
 //
 // Thread-safety: one launch at a time per process (the supervisor's rule).
 #include <Python.h>
+#include <fmt/format.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <signal.h>
@@ -30,7 +31,6 @@
 #include <string_view>
 #include <vector>
 
-#include "detail/decimal.hpp"
 #include "detail/fd.hpp"
 #include "forkguard/error.hpp"
 #include "forkguard/launch/launcher.hpp"
@@ -178,7 +178,7 @@ class ServerLink {
   }
 
   // A start request (guard_start) and the child it started: the server's reply is
-  // "started"/"guard_started PID" with the child's pidfd, which the server opened before it could
+  // "started PID" with the child's pidfd, which the server opened before it could
   // reap the child (so it is that child's, whatever happens to the PID later), or "error
   // MESSAGE", raised as an Error with the message; so is no reply within `timeout` seconds.
   fl::detail::ServerChild start_child(const std::vector<std::string>& fields,
@@ -194,17 +194,18 @@ class ServerLink {
     if (!reply) {
       throw fl::SpawnError(py::str("no answer within {:g} s").format(*timeout).cast<std::string>());
     }
-    const auto& r = *reply;
-    if (r.size() == 2 && r[0] == "error") throw fl::SpawnError(r[1]);
-    const auto pid = r.size() == 2 && (r[0] == "started" || r[0] == "guard_started")
-                         ? forkguard::detail::parse_decimal<pid_t>(r[1])
-                         : std::nullopt;
-    if (!pid || *pid <= 0) {
-      std::string what = "an unexpected reply:";
-      for (const auto& f : r) what += " " + f;
-      throw fl::SpawnError(what);
+    std::optional<fl::detail::ZygoteReply> decoded;
+    try {
+      decoded = fl::detail::decode_zygote_reply(*reply);
+    } catch (const forkguard::Error& e) {
+      throw fl::SpawnError(fmt::format("an unexpected reply: {}", e.what()));
     }
-    return fl::detail::ServerChild(*pid, std::move(pidfd));
+    if (const auto* error = std::get_if<fl::detail::ErrorReply>(&*decoded)) {
+      throw fl::SpawnError(error->message);
+    }
+    const auto* started = std::get_if<fl::detail::StartedReply>(&*decoded);
+    if (started == nullptr) throw fl::SpawnError("an unexpected reply: an exit report");
+    return fl::detail::ServerChild(started->pid, std::move(pidfd));
   }
 
   std::optional<int> wait_exit(pid_t pid, double timeout) {

@@ -78,7 +78,7 @@ class ForkServer {
   // queued meanwhile); nullopt when none came within `timeout` (none: as long as it takes). An
   // empty `fields` sends nothing and only waits (the server's "ready"). Throws SpawnError once
   // the server closed its socket, saying how it ended (ended()). `reply_fd` (optional): the fd
-  // the reply carried, if any (the Python server's guard_started carries the child's pidfd).
+  // the reply carried, if any (a `started` reply carries the child's pidfd).
   std::optional<std::vector<std::string>> exchange(const std::vector<std::string>& fields,
                                                    const std::vector<int>& fds,
                                                    std::optional<std::chrono::milliseconds> timeout,
