@@ -59,9 +59,7 @@ def _child_main(fds):
         # start_child made it die with the server (PR_SET_PDEATHSIG) and put its stdout and
         # stderr on the caller's.
         payload_fd, sentinel_w, parent_alive_r, tracker_w, *inherited = fds
-        signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.set_inheritable(sentinel_w, False)
         resource_tracker._resource_tracker._fd = tracker_w

@@ -115,13 +115,13 @@ def _write_outcome(fd, outcome):
 def _child_setup():
     """A child's first steps in Python. The native layer's set-up (start_child) already made it
     die with the server (PR_SET_PDEATHSIG), put the stop signals back to their defaults with none
-    blocked and its stdout and stderr on the caller's; here the server's Python handlers go."""
-    for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
+    blocked and its stdout and stderr on the caller's; here Python learns of it (the server
+    ignores SIGINT)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
-    signal.set_wakeup_fd(-1)
 
 
-_native = None
+_native = None  # forkguard._native, once main() imported it
 
 
 def _start_child(fn, out_fd, err_fd, close, **options):
@@ -129,7 +129,6 @@ def _start_child(fn, out_fd, err_fd, close, **options):
     fork site, its set-up, a handle on the child's pidfd) with stdout and stderr on out_fd and
     err_fd, which are closed here either way. The child closes `close` (what it must not hold);
     it keeps every other fd, as a fork does. Its ChildProcess, or why it could not start."""
-    global _native
 
     def child():
         os.close(out_fd)  # its stdout and stderr now (start_child's plan): not twice
@@ -137,10 +136,6 @@ def _start_child(fn, out_fd, err_fd, close, **options):
         return fn()
 
     try:
-        if _native is None:
-            from forkguard import _native as native  # the package skips its start-up here
-
-            _native = native
         return _native.start_python_child(child, stdout_fd=out_fd, stderr_fd=err_fd,
                                           close_fds=list(close), **options)
     except Exception as e:  # noqa: BLE001 - the caller's reply says why

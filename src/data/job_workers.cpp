@@ -214,8 +214,7 @@ class JobQueue::Impl : public JobSlot {
   }
 
   bool wants_job() const {
-    size_t active = 0;
-    for (size_t w = 0; w < workers_.size(); ++w) active += takes_jobs(w) ? 1 : 0;
+    const size_t active = taking_jobs();
     return active > 0 && jobs_.size() < o_.prefetch * active;
   }
 
@@ -240,9 +239,8 @@ class JobQueue::Impl : public JobSlot {
   // The next active worker in round-robin order holding fewer undelivered jobs than its share
   // of prefetch x workers, or -1.
   int worker_with_room() const {
-    size_t active = 0;
+    const size_t active = taking_jobs();
     std::vector<size_t> held(workers_.size(), 0);
-    for (size_t w = 0; w < workers_.size(); ++w) active += takes_jobs(w) ? 1 : 0;
     for (const auto& [job, j] : jobs_) ++held[static_cast<size_t>(j.worker)];
     if (active == 0) return -1;
     const size_t share = o_.prefetch * workers_.size() / active;
@@ -450,13 +448,7 @@ class JobQueue::Impl : public JobSlot {
 
   void start(int w, int setup_fd) {
     if (o_.start == JobStart::kServer) {
-      if (!procs_.start_call(w, o_.server_function)) {
-        // Its socket is closed once the queue stops: it exits, its server reaps it.
-        throw launch::SpawnError(
-            fmt::format("the fork server (PID {}) started worker {} (PID {}) without "
-                        "its pidfd: it could not be signalled safely",
-                        o_.server->pid(), w, procs_.pid(w)));
-      }
+      procs_.start_call(w, o_.server_function);
       if (const int e = procs_.send_setup(w, o_.setup.size(), setup_fd)) {
         throw WorkerError(fmt::format("cannot send worker {} its setup: {}", w, std::strerror(e)),
                           w, procs_.pid(w), {});
@@ -583,6 +575,11 @@ class JobQueue::Impl : public JobSlot {
 
   bool takes_jobs(size_t w) const {
     return workers_[w].active && procs_.alive(static_cast<int>(w));
+  }
+  size_t taking_jobs() const {  // how many workers take jobs
+    size_t n = 0;
+    for (size_t w = 0; w < workers_.size(); ++w) n += takes_jobs(w) ? 1 : 0;
+    return n;
   }
 
   static JobOptions checked(JobOptions o) {

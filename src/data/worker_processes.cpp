@@ -46,14 +46,13 @@ void WorkerProcesses::started(int w, WorkerSocket sock) {
   p.alive = true;
 }
 
-bool WorkerProcesses::start_call(int w, const std::string& function) {
+void WorkerProcesses::start_call(int w, const std::string& function) {
   auto [mine, theirs] = make_worker_sockets();
   auto& p = procs_[static_cast<size_t>(w)];
   p.server_child = server_->start_call(function, theirs.get());
   p.pid = p.server_child.pid();
   theirs.reset();
   started(w, std::move(mine));  // from here, EOF once the pool stops: it exits, its server reaps it
-  return static_cast<bool>(p.server_child);
 }
 
 int WorkerProcesses::send_setup(int w, size_t bytes, int fd) {

@@ -66,11 +66,10 @@ class WorkerProcesses {
 
   int size() const noexcept { return static_cast<int>(procs_.size()); }
 
-  // Worker `w` from the fork server, running its function `function` on its end of a new socket.
-  // Returns whether the server sent its pidfd (without one it cannot be signalled; the C++
-  // zygote sends none for a child that had exited already). Either way it is a worker of the pool
-  // from here on (stop() closes its socket). Throws what ForkServer::start_call throws.
-  bool start_call(int w, const std::string& function);
+  // Worker `w` from the fork server, running its function `function` on its end of a new socket;
+  // a worker of the pool from here on (stop() closes its socket). Throws what
+  // ForkServer::start_call throws (a refusal, a reply without the child's pidfd).
+  void start_call(int w, const std::string& function);
   // The setup message (SetupMessage: `bytes`, the worker's id) with `fd` (a memfd). Returns 0, or
   // the errno of a failed send.
   int send_setup(int w, size_t bytes, int fd);

@@ -192,8 +192,6 @@ class ServerChild {
   ServerChild() = default;
   // Takes `pidfd`; throws Error when it is no pidfd, or that of another process than `pid`.
   ServerChild(pid_t pid, UniqueFd pidfd);
-  // One that had exited before a pidfd could name it: signal() sends nothing, exited() is true.
-  explicit ServerChild(pid_t pid) : pid_(pid) {}
 
   pid_t pid() const noexcept { return pid_; }
   int pidfd() const noexcept { return pidfd_.get(); }  // readable once it exited

@@ -406,8 +406,15 @@ ServerChild ForkServer::request(const std::vector<std::string>& fields, int stdo
   UniqueFd sent = std::move(reply_fd_);
   if (const auto* started = std::get_if<StartedReply>(&reply_)) {
     // Both fork servers send the child's pidfd with the reply (launch/zygote_loop.hpp): opened
-    // before the child could be reaped, it names that child for good.
-    if (!sent) return ServerChild(started->pid);
+    // before the child could be reaped, it names that child for good. Without it the child could
+    // be signalled only by a PID that may be another process's by then: refused, for every
+    // requester alike (the child sees EOF on what the requester gave it, or ends with the server).
+    if (!sent) {
+      throw SpawnError(
+          fmt::format("the fork server (PID {}) started PID {} without its pidfd: it "
+                      "could not be signalled safely",
+                      pid_, started->pid));
+    }
     return ServerChild(started->pid, std::move(sent));
   }
   throw SpawnError(fmt::format("the fork server (PID {}) refused: {}", pid_,

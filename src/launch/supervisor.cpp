@@ -5,7 +5,6 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/signalfd.h>
-#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -44,7 +43,7 @@ struct Rank {
   int rank = 0;
   pid_t pid = -1;
   Child child;               // unless via_server: the zygote's child
-  ServerChild server_child;  // via_server: its handle (a pidfd unless it had exited already)
+  ServerChild server_child;  // via_server: its handle (its pidfd, sent by the server)
   bool running = false;
   bool via_server = false;
   bool console = true;
@@ -61,7 +60,7 @@ using forkguard::detail::SignalCapture;
 // A fork-server rank is the server's child, not ours: no Child, and its exit comes as the server's
 // report. Its group gets the signal by id, as in finish() (the id is not reused while any member
 // of the group lives); the rank itself, when that group is not there yet, through its pidfd, which
-// names it even once its PID is reused (nothing when it had exited before one could be opened).
+// names it even once its PID is reused.
 void signal_group(Rank& r, int sig) {
   if (r.child) return r.child.signal(sig);
   r.server_child.signal_group(sig);

@@ -6,7 +6,13 @@
 
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <functional>
+#include <thread>
 
 #include "detail/seqpacket.hpp"
 #include "forkguard/error.hpp"
@@ -213,4 +219,33 @@ TEST(ZygoteProtocol, TheInterpreterServersMessagesAreTypedToo) {
               fl::decode_server_reply({"held", "-1"});
             }).find("field \"count\""),
             std::string::npos);
+}
+
+TEST(ZygoteProtocol, AStartedReplyWithoutTheChildsPidfdIsRefused) {
+  // Both fork servers send the child's pidfd with `started`. A server that does not (here: this
+  // test's thread) gives no handle to anyone: the child could be signalled only by a PID that may
+  // be another process's by then.
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv), 0);
+  forkguard::detail::UniqueFd ours(sv[0]), theirs(sv[1]);
+  std::thread server([&] {
+    Fields f;
+    int fds[forkguard::detail::kMaxFds];
+    if (!forkguard::detail::recv_message(theirs.get(), f, fds)) return;
+    for (int fd : fds) {
+      if (fd >= 0) ::close(fd);
+    }
+    forkguard::detail::send_message(theirs.get(), fl::encode(fl::StartedReply{.pid = 4242}));
+  });
+  int p[2];
+  ASSERT_EQ(::pipe2(p, O_CLOEXEC), 0);
+  const std::string why = error_of([&] {
+    fl::ForkServer::attach(::getpid(), ours.get())->start_call("forkguard.dataloader_worker", p[0]);
+  });
+  server.join();
+  ::close(p[0]);
+  ::close(p[1]);
+  EXPECT_EQ(why, fmt::format("the fork server (PID {}) started PID 4242 without its pidfd: it "
+                             "could not be signalled safely",
+                             ::getpid()));
 }
