@@ -21,8 +21,12 @@ import math
 import pickle
 import struct
 
-import numpy as np
 import torch
+
+try:  # torch needs no numpy, nor does a batch without arrays
+    import numpy as np
+except ImportError:
+    np = None
 
 _MAGIC = b"FGBATCH1"
 _HEADER = struct.Struct("<8sQQ")
@@ -51,7 +55,7 @@ class _SkeletonPickler(pickle.Pickler):
                     or not obj.is_cpu):
                 return None
             kind, nbytes = "torch", obj.numel() * obj.element_size()
-        elif type(obj) is np.ndarray:
+        elif np is not None and type(obj) is np.ndarray:
             if obj.dtype.hasobject or not obj.dtype.isnative:
                 return None
             kind, nbytes = "numpy", obj.nbytes

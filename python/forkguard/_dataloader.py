@@ -8,11 +8,32 @@ _native._JobQueue) starts the workers, hands them the batches' indices round-rob
 prefetch_factor batches in flight per worker, moves each collated batch through the worker's
 memfd slot (tensors and arrays written once, viewed here without a copy; nothing in /dev/shm) and
 delivers the batches in order, reporting a worker that died with its PID, signal and the samples
-it held. The workers are forks of this process while it is fork-safe (nothing pickled, as torch
-does), else children of forkguard's clean interpreter fork server, which receive the dataset,
-collate_fn and worker_init_fn by value (cloudpickle).
+it held. The workers are forks of this process (nothing pickled, as torch does), even after it
+initialized CUDA: a forked worker that then tries CUDA is caught, and the loader moves to children
+of forkguard's clean interpreter fork server, which receive the dataset, collate_fn and
+worker_init_fn by value (cloudpickle). See NOTE [ CUDA in a forked worker ].
+
+NOTE [ CUDA in a forked worker ]
+A parent that initialized CUDA (or, with torch's CUDA build, merely asked
+torch.cuda.is_available(): torch's fork poison) cannot give a forked child CUDA. Most workers
+never touch it, and for them fork is what users chose: milliseconds to start, the parent's pages
+and objects shared (open files, connections, locks, lambdas), nothing pickled. So "auto" forks
+them anyway, and each such worker watches for its first CUDA attempt (_dataloader_worker.ForkWatch):
+torch's lazy init (which raises "Cannot re-initialize CUDA in forked subprocess" there) and, where
+the parent's driver is initialized, the driver's cuInit (forkguard's tripwire answers it with the
+driver's own CUDA_ERROR_NOT_INITIALIZED and counts it: src/cuda/fork_tripwire.hpp). Whoever
+catches the error (the dataset may swallow it), the worker's batch is replaced by a "cuda_in_fork"
+note; the loader discards every batch in flight, starts its workers from the clean fork server
+and asks them for those batches first (an IterableDataset's pass is replayed up to where it was),
+and keeps clean workers for its later passes. No batch the loop receives was made by a worker in
+which CUDA could not start. The cost: a sample in flight at that moment is fetched twice (once in
+the fork, once in the clean worker), which a dataset with side effects sees (docs/python.md).
+Where the driver's cuInit cannot be watched (fork_tripwire_unavailable), "auto" starts clean
+workers from the start, as before. worker_start="fork" is watched too, but keeps its workers:
+it says so once and the batch goes on.
 """
 import atexit
+import collections
 import gc
 import itertools
 import multiprocessing
@@ -30,7 +51,7 @@ from torch.utils.data import IterDataPipe, MapDataPipe
 from torch.utils.data import dataloader as _torch_dl
 from torch.utils.data.dataloader import DataLoader as _TorchDataLoader
 
-from . import _batch_codec, _dataloader_worker, _native, _torch_compat
+from . import _batch_codec, _dataloader_worker, _native, _torch_compat, _torch_fork
 from ._probe import probe_if_fork_unsafe
 
 T_co = TypeVar("T_co", covariant=True)
@@ -53,9 +74,12 @@ class CudaInWorkerWarning(UserWarning):
 class DataLoader(_TorchDataLoader[T_co]):
     """torch.utils.data.DataLoader, with forkguard's workers. Keyword-only extras:
 
-    worker_start: "auto" forks the workers while this process is fork-safe and starts them from
-        the clean fork server once it is not; "fork" or "server" forces one (the environment
-        variable FORKGUARD_WORKER_START overrides "auto").
+    worker_start: "auto" forks the workers, as torch does, even after this process initialized
+        CUDA; a forked worker that then tries CUDA (which cannot start in it) is caught, its
+        batches are made again by workers from forkguard's clean fork server, and the loader
+        keeps those (NOTE [ CUDA in a forked worker ]). "server" starts them clean at once;
+        "fork" forks them whatever happens (the environment variable FORKGUARD_WORKER_START
+        overrides "auto").
     cuda_in_workers: what a worker that initialized CUDA gets: "warn" (once), "error"
         (CudaInWorkerError naming the stage), "allow".
     seed: every sample's random state (Python's, numpy's, torch's) derives from (seed, epoch,
@@ -392,34 +416,47 @@ def _pin_ordinal(device):
 
 
 def _start_method(loader):
-    """("fork" | "server", why): how this loader's workers start."""
+    """(start, why, watch): how this loader's workers start ("fork" or "server"), why, and what
+    forked workers of a process that is not fork-safe watch ({"driver": the driver's cuInit too,
+    "reroute": a worker's CUDA use moves the loader to clean workers}; None for the others).
+    NOTE [ CUDA in a forked worker ] says why "auto" forks there too."""
     choice = loader.worker_start
     if choice == "auto":
         choice = os.environ.get("FORKGUARD_WORKER_START", "auto")
         if choice not in _WORKER_STARTS:
             raise ValueError(f"FORKGUARD_WORKER_START must be one of "
                              f"{', '.join(_WORKER_STARTS)}, not {choice!r}")
+    why = f"worker_start={choice!r}"
     ctx = loader.multiprocessing_context
     if choice == "auto" and ctx is not None:
         method = ctx.get_start_method()
         if method in ("spawn", "forkserver"):
             # A clean interpreter is what was asked for: the fork server gives one, faster.
-            return "server", f"multiprocessing_context={method!r}"
+            return "server", f"multiprocessing_context={method!r}", None
         if method == "fork":
-            return "fork", "multiprocessing_context='fork'"
-    if choice != "auto":
-        return choice, f"worker_start={choice!r}"
+            choice, why = "fork", "multiprocessing_context='fork'"
+    if choice == "auto" and getattr(loader, "_fg_clean_workers", False):
+        return "server", "a worker of this loader tried CUDA in a fork", None
+    if choice == "server":
+        return "server", why, None
     dirty = probe_if_fork_unsafe()  # the driver's state, then torch's fork poison
     if dirty is None:
-        return "fork", "this process is fork-safe"
-    key = ("server", dirty.verdict)
-    if key not in _said:
-        _said.add(key)
-        print(f"forkguard.DataLoader: this process (PID {os.getpid()}) is {dirty.verdict} "
-              f"({dirty.summary}), so its workers start from forkguard's clean fork server "
-              "(the dataset, collate_fn and worker_init_fn travel by value).",
-              file=sys.stderr, flush=True)
-    return "server", f"this process is {dirty.verdict}"
+        return "fork", why if choice == "fork" else "this process is fork-safe", None
+    state = f"this process (PID {os.getpid()}) is {dirty.verdict}"
+    watch = {"driver": dirty.verdict not in _torch_fork.SUMMARIES, "reroute": choice == "auto"}
+    unwatched = _native.cuda_tripwire_unavailable() if watch["driver"] else ""
+    if unwatched and choice == "auto":
+        # A swallowed driver error could not be seen in a fork: clean workers from the start.
+        key = ("server", dirty.verdict)
+        if key not in _said:
+            _said.add(key)
+            print(f"forkguard.DataLoader: {state} ({dirty.summary}), and a forked worker's CUDA "
+                  f"use could not be seen here ({unwatched}), so its workers start from "
+                  "forkguard's clean fork server (the dataset, collate_fn and worker_init_fn "
+                  "travel by value).", file=sys.stderr, flush=True)
+        return "server", f"{state}, unwatched", None
+    watch["driver"] = watch["driver"] and not unwatched
+    return "fork", state, watch
 
 
 def _dumps(spec):
@@ -507,6 +544,10 @@ class _ServerJobQueue(_native._JobQueue):
             self._parcel.give_back()
 
 
+class _Restarted(Exception):
+    """The iterator's workers were replaced by clean ones mid-pass: ask the next batch again."""
+
+
 class _WorkerProcess:
     """torch's iterator lists its workers as multiprocessing.Process objects: the same answers."""
 
@@ -564,18 +605,22 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
             self._base_seed = loader._resume["base_seed"]  # the workers' seeds, as they were
         epoch = loader._resume["epoch"] if loader._resume is not None else loader._next_epoch
         self._cuda_policy = loader.cuda_in_workers
-        self._cuda_said = False
+        # CudaInWorkerWarning is said once per loader (the clean workers a forked worker's
+        # CUDA use moved it to then use CUDA as expected)
+        self._cuda_said = getattr(loader, "_fg_cuda_said", False)
         worker_init_fn = loader.worker_init_fn
         if isinstance(self._dataset, (IterDataPipe, MapDataPipe)):
             import functools
 
             worker_init_fn = functools.partial(_torch_dl._sharding_worker_init_fn,
                                                worker_init_fn, self._world_size, self._rank)
-        start, self._why = _start_method(loader)
+        start, self._why, watch = _start_method(loader)
+        self._fg_loader = weakref.ref(loader)
         # pin_memory: the slots page-locked once, here, so the batches that view them are pinned
         # as they are (torch's pin_memory returns a pinned tensor itself: no copy, no thread).
-        pin_device = _pin_ordinal(self._pin_memory_device) if self._pin_memory else -1
-        spec = {
+        self._fg_pin_device = _pin_ordinal(self._pin_memory_device) if self._pin_memory else -1
+        self._fg_redo = collections.deque()  # indices to fetch again, before the sampler's
+        self._fg_spec = {
             "dataset_kind": self._dataset_kind, "dataset": self._dataset,
             "auto_collation": self._auto_collation, "collate_fn": self._collate_fn,
             "drop_last": self._drop_last, "base_seed": self._base_seed,
@@ -584,33 +629,38 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
             "cuda_in_workers": loader.cuda_in_workers, "bad_sample": loader.bad_sample,
             # a resumed IterableDataset: each worker's copy loads its own state first
             "dataset_states": (loader._resume or {}).get("dataset_states"),
+            # forked workers of a process that is not fork-safe: what they watch (ForkWatch)
+            "fork_watch": watch,
         }
+        self._start_workers(start)
+        self._reset(loader, first_iter=True)
+
+    def _start_workers(self, start):
+        """Starts the workers ("fork" or "server") on self._fg_spec."""
+        from . import _launch
+
+        spec = self._fg_spec
         if start == "fork":
             # The dataset's objects out of the collector's reach: a forked worker's reference
             # counting alone then dirties their pages, not a collection walking all of them.
             _freeze()
             self._frozen = True
-            from . import _launch
-
             server = _launch._server  # its socket: the Python fork server's EOF is its exit
             queue = _native._JobQueue(
                 workers=self._num_workers, prefetch=self._prefetch_factor,
                 start=_native._JobStart.FORK, body=_dataloader_worker.make(spec),
                 close_in_child=[server.fd()] if server is not None else [],
-                pin_device=pin_device, name=_WORKER_NAME)
+                pin_device=self._fg_pin_device, name=_WORKER_NAME)
         else:
-            from . import _launch
-
-            spec.update(cwd=os.getcwd(), sys_path=list(sys.path), argv=list(sys.argv),
-                        by_value=True)
-            parcel = _dumps(spec)
+            parcel = _dumps(dict(spec, cwd=os.getcwd(), sys_path=list(sys.path),
+                                 argv=list(sys.argv), by_value=True, fork_watch=None))
             # The worker module (and forkguard's extension) loaded once in the server, not in
             # each worker it forks: about 70 ms less per worker start.
             _launch.start_server(
                 preload=_launch.default_preload() + ["cloudpickle", "forkguard._dataloader_worker"],
                 wait=True)
             queue = _ServerJobQueue(_launch._server, parcel, self._num_workers,
-                                    self._prefetch_factor, pin_device)
+                                    self._prefetch_factor, self._fg_pin_device)
         self._queue = queue
         self._shutdown = False
         _live_iterators.add(self)
@@ -620,7 +670,6 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
         except Exception:
             self._shutdown_workers()
             raise
-        self._reset(loader, first_iter=True)
 
     def _reset(self, loader, first_iter=False):
         if not first_iter and self._shutdown:
@@ -654,10 +703,13 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
 
     def _fill(self):
         while self._queue.wants_job():
-            try:
-                index = self._next_index()
-            except StopIteration:
-                return
+            if self._fg_redo:
+                index = self._fg_redo.popleft()
+            else:
+                try:
+                    index = self._next_index()
+                except StopIteration:
+                    return
             job = self._queue.submit(pickle.dumps(("fetch", index), protocol=5),
                                      self._fg_first_worker, in_order=self._in_order)
             self._fg_first_worker = -1  # then round-robin from there
@@ -688,8 +740,13 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
             raise RuntimeError(text)
 
     def _next_data(self):
-        self._drop_replayed(self._next_batch)
-        data = self._next_batch()
+        while True:
+            try:
+                self._drop_replayed(self._next_batch)
+                data = self._next_batch()
+                break
+            except _Restarted:  # on clean workers now: what was in flight is asked of them
+                continue
         self._fg_batches += 1
         return data
 
@@ -716,6 +773,8 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
                                        message.decode(errors="replace")))
             data, meta = _batch_codec.decode(buf, memoryview(buf))
             del buf
+            if meta is not None and "cuda_in_fork" in meta:
+                self._cuda_in_fork(meta["cuda_in_fork"], index)  # raises _Restarted to reroute
             if meta is not None and "ended" in meta:
                 self._worker_ended(worker, pid, index, meta["ended"], data)
             if meta is not None and "skipped" in meta:
@@ -745,13 +804,64 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
             "torch's).\nOriginal {}".format(pid, what, worker, _dataloader_worker._short(index),
                                             wrapper.exc_msg))
 
+    def _cuda_in_fork(self, found, index):
+        """A forked worker tried CUDA, which cannot start in a fork of this process (NOTE [ CUDA
+        in a forked worker ]). worker_start="auto": the batches in flight, `index`'s first, are
+        asked again of workers from the clean fork server, which this loader keeps from now on
+        (_Restarted is raised once they started); said once (cuda_in_workers="warn"), or
+        CudaInWorkerError ("error"). worker_start="fork": said once, the batch goes on."""
+        reroute = self._fg_spec["fork_watch"]["reroute"]
+        text = (f"DataLoader worker {found['worker']} (PID {found['pid']}) tried to initialize "
+                f"CUDA in {found['stage']}, in a fork of this process, where CUDA cannot start "
+                f"({self._why}: \"Cannot re-initialize CUDA in forked subprocess\", "
+                f"CUDA_ERROR_NOT_INITIALIZED). ")
+        if reroute:
+            text += ("Its batches and every batch in flight are discarded and made again by "
+                     "workers started from forkguard's clean fork server, where CUDA can start; "
+                     "this loader's workers start there from now on (the dataset, collate_fn "
+                     "and worker_init_fn travel by value). ")
+        else:
+            text += ("worker_start='fork' keeps the forked workers: the batch is what the "
+                     "dataset made of the error. worker_start='auto' would remake it on clean "
+                     "workers. ")
+        text += ("Cure: return CPU tensors from the Dataset and collate_fn and move each batch "
+                 "to the GPU in the training loop (pin_memory=True makes that copy fast); or, "
+                 "where the workers must use CUDA, worker_start='server' starts them clean at "
+                 "once.")
+        self._cuda_found(text)
+        self._said_cuda()  # the clean workers' CUDA is this same use: said once
+        if not reroute:
+            return
+        outstanding = [index] + [self._task_info[j] for j in sorted(self._task_info)]
+        self._shutdown_workers()
+        loader = self._fg_loader()
+        if loader is not None:
+            loader._fg_clean_workers = True
+        self._fg_spec.update(epoch=self._fg_epoch, shared_seed=self._shared_seed,
+                             dataset_states=None, fork_watch=None)
+        self._task_info = {}
+        self._start_workers("server")
+        if self._dataset_kind == _torch_dl._DatasetKind.Map:
+            self._fg_redo.extend(outstanding)
+        else:
+            # each clean worker's copy iterates from the pass's start: the batches already
+            # yielded are made again and dropped (as a resumed pass replays them)
+            self._fg_discard = self._num_yielded
+        raise _Restarted
+
+    def _said_cuda(self):
+        self._cuda_said = True
+        loader = self._fg_loader()
+        if loader is not None:
+            loader._fg_cuda_said = True
+
     def _cuda_found(self, text):
         if self._cuda_policy == "error":
             self._shutdown_workers()
             self._fg_stopped_by = (CudaInWorkerError, text)
             raise CudaInWorkerError(text)
         if self._cuda_policy == "warn" and not self._cuda_said:
-            self._cuda_said = True
+            self._said_cuda()
             warnings.warn(text, CudaInWorkerWarning, stacklevel=3)
 
     def _shutdown_workers(self):

@@ -229,6 +229,47 @@ def stateful(dataset_kind, dataset):
         callable(getattr(dataset, name, None)) for name in ("state_dict", "load_state_dict"))
 
 
+class ForkWatch:
+    """A worker forked from a process that initialized CUDA or set torch's fork poison: CUDA
+    cannot start in it. The stage of its first attempt is recorded, whoever catches the error it
+    gets: torch's lazy init is watched (_torch_compat.watch_bad_fork), and where the parent's
+    driver is initialized, the driver's cuInit answers through forkguard's tripwire
+    (src/cuda/fork_tripwire.hpp), which counts the call. See NOTE [ CUDA in a forked worker ] in
+    _dataloader.py."""
+
+    def __init__(self, driver):
+        self.stage = "the worker's start"
+        self.used = None  # the stage of the first attempt
+        self.said = False  # reported to the loader (worker_start="fork": once)
+        self.driver = driver
+        if driver:
+            _native.arm_cuda_tripwire()
+        _torch_compat.watch_bad_fork(self._attempt)
+
+    def _attempt(self):
+        if self.used is None:
+            self.used = self.stage
+
+    def check(self):
+        """The stage where this worker first tried CUDA, or None."""
+        if self.used is None and self.driver and _native.cuda_tripwire_trips():
+            self.used = self.stage
+        return self.used
+
+    def enter(self, stage):
+        """`stage` begins (what came before it is checked first)."""
+        self.check()
+        self.stage = stage
+
+    def collate(self, collate_fn):
+        """collate_fn, its calls a stage of their own."""
+        def watched(data):
+            self.enter("collate_fn")
+            return collate_fn(data)
+
+        return watched
+
+
 class Worker:
     """Called by the core for each job: a _JobBodyResult (its kind, the bytes written, a
     message)."""
@@ -265,12 +306,17 @@ class Worker:
         self.iteration_end = False
         self.epoch = spec["epoch"]
         self.stateful = stateful(spec["dataset_kind"], self.dataset)
+        watch = spec.get("fork_watch")
+        self.watch = ForkWatch(watch["driver"]) if watch is not None else None
         try:
             if spec["worker_init_fn"] is not None:
+                self._enter("worker_init_fn")
                 spec["worker_init_fn"](worker_id)
             resumed = (spec.get("dataset_states") or {}).get(worker_id)
             if self.stateful and resumed is not None:
                 self.dataset.load_state_dict(resumed)  # before its iterator is made
+            self._enter("__iter__" if spec["dataset_kind"] == _DatasetKind.Iterable else
+                        "worker_init_fn")
             self._fetcher()
         except Exception:
             self.init_exception = ExceptionWrapper(
@@ -287,11 +333,20 @@ class Worker:
         return apply_random_seed(dataset, self.shared_rng)
 
     def _fetcher(self):
-        self.fetcher, self.guard = fetcher(self.spec, self.dataset, self.epoch)
+        spec = self.spec
+        if self.watch is not None:
+            spec = dict(spec, collate_fn=self.watch.collate(spec["collate_fn"]))
+        self.fetcher, self.guard = fetcher(spec, self.dataset, self.epoch)
+
+    def _enter(self, stage):
+        if self.watch is not None:
+            self.watch.enter(stage)
 
     def _cuda_after(self, stage):
         """What CUDA state this worker has now, said about `stage`, or None."""
-        if self.spec["cuda_in_workers"] == "allow" or self.cuda_said:
+        if self.spec["cuda_in_workers"] == "allow" or self.cuda_said or self.watch is not None:
+            # (a watched worker's attempts are the watch's: the probe would find the driver
+            # state it inherited)
             return None
         found = _native.probe_if_fork_unsafe()
         if found is None:
@@ -318,6 +373,8 @@ class Worker:
         if self.iteration_end:
             return _JobBodyResult(kind=_JobKind.END)
         index = request[1]
+        self._enter("__iter__" if self.spec["dataset_kind"] == _DatasetKind.Iterable else
+                    f"__getitem__ of the batch of indices {_short(index)}")
         if self.init_exception is not None:
             data, self.init_exception = self.init_exception, None
         else:
@@ -343,6 +400,11 @@ class Worker:
                 return _JobBodyResult(kind=_JobKind.ERROR, bytes=_batch_codec.encode(
                     (data, {"ended": ended}), slot.reserve, self.spec.get("by_value", False)))
         kind = _JobKind.ERROR if isinstance(data, ExceptionWrapper) else _JobKind.OK
+        forked_cuda = self._forked_cuda()
+        if forked_cuda is not None and self.spec["fork_watch"]["reroute"]:
+            # what this worker made is not to be trusted: the loader makes it again elsewhere
+            return _JobBodyResult(kind=_JobKind.OK, bytes=_batch_codec.encode(
+                (None, {"cuda_in_fork": forked_cuda}), slot.reserve))
         found = self.pending_cuda
         self.pending_cuda = None
         if found is None:
@@ -355,11 +417,23 @@ class Worker:
             self.guard.skipped = []
         if kind == _JobKind.OK and self.stateful:  # where this copy is once the batch is yielded
             meta = dict(meta or {}, state=state)
+        if forked_cuda is not None:  # worker_start="fork": the batch, and what it tried, once
+            meta = dict(meta or {}, cuda_in_fork=forked_cuda)
         n = _batch_codec.encode((data, meta), slot.reserve, self.spec.get("by_value", False))
         self.stacks.recycle()  # the batch is in the slot: its buffers may take the next one
         if found is not None:
             return _JobBodyResult(kind=_JobKind.CUDA, bytes=n, message=found)
         return _JobBodyResult(kind=kind, bytes=n)
+
+    def _forked_cuda(self):
+        """In a watched worker (ForkWatch) that tried CUDA: where, for the loader ({"stage",
+        "worker", "pid"}), with every job after it where the loader reroutes (none of them is
+        to be trusted), once where it does not; else None."""
+        watch = self.watch
+        if watch is None or watch.check() is None or watch.said:
+            return None
+        watch.said = not self.spec["fork_watch"]["reroute"]
+        return {"stage": self.watch.used, "worker": self.worker_id, "pid": os.getpid()}
 
     def close(self):
         for stream in (sys.stdout, sys.stderr):

@@ -62,6 +62,12 @@ def probe(pid: Optional[int] = ...) -> _ProbeResult:
     """The CUDA state of this process (or of pid); never initializes CUDA."""
 
 def probe_if_fork_unsafe() -> Optional[_ProbeResult]: ...
+def cuda_tripwire_unavailable() -> str:
+    """'' where the CUDA fork tripwire can be armed in a fork of this process, else why not."""
+def arm_cuda_tripwire() -> None:
+    """Arms the CUDA fork tripwire in this process (a fork child); raises Error where it cannot."""
+def cuda_tripwire_trips() -> int:
+    """The cuInit calls the tripwire caught in this process."""
 
 def start_fork_server() -> bool:
     """Starts the C++ fork server process workers come from, if this process is fork-safe and

@@ -14,7 +14,9 @@ sees it:
 - `WorkerInfo` became a frozen slots dataclass (2.x): made and changed through `worker_info` and
   `worker_info_with`;
 - the tensor collate function torch's default_collate calls (`torch_collate_tensor_fn`), whose
-  errors for nested and sparse tensors forkguard's keeps.
+  errors for nested and sparse tensors forkguard's keeps;
+- torch's CUDA lazy init, which raises "Cannot re-initialize CUDA in forked subprocess" in a child
+  forked after torch's fork poison (`watch_bad_fork`).
 """
 import dataclasses
 import importlib.util
@@ -117,3 +119,27 @@ def torch_collate_tensor_fn():
     from torch.utils.data._utils import collate
 
     return collate.collate_tensor_fn
+
+
+def watch_bad_fork(on_use):
+    """In a process in torch's bad fork (forked after its parent set torch's CUDA fork poison):
+    `on_use()` runs before each of torch's CUDA lazy inits, every one of which raises "Cannot
+    re-initialize CUDA in forked subprocess" there, whoever catches that error. The C++ side
+    (torch::utils::device_lazy_init: a tensor made on or moved to the GPU) looks `_lazy_init` up
+    on torch.cuda at each call; torch.cuda's submodules (memory, random, ...) imported it by
+    name, so each module holding torch's function gets the watched one. True where this process
+    is in the bad fork (and now watched), False elsewhere (torch without CUDA, or no poison)."""
+    cuda = sys.modules.get("torch.cuda")
+    if cuda is None or not getattr(cuda, "_is_in_bad_fork", lambda: False)():
+        return False
+    original = cuda._lazy_init
+
+    def _lazy_init():
+        on_use()
+        return original()
+
+    for module in list(sys.modules.values()):
+        # the module's own namespace, not getattr: a lazy module's __getattr__ is not run
+        if getattr(module, "__dict__", {}).get("_lazy_init") is original:
+            module._lazy_init = _lazy_init
+    return True

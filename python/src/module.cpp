@@ -26,6 +26,7 @@
 #include <string_view>
 #include <vector>
 
+#include "cuda/fork_tripwire.hpp"
 #include "forkguard/data/batch.hpp"
 #include "forkguard/data/error.hpp"
 #include "forkguard/data/image_folder.hpp"
@@ -492,6 +493,16 @@ PYBIND11_MODULE(_native, m) {
         return py::cast(std::move(*r));
       },
       "None when this process is fork-safe, else its probe (as probe() gives it).");
+
+  // forkguard.DataLoader's forked workers in a parent that initialized the driver
+  // (src/cuda/fork_tripwire.hpp): a worker's swallowed cuInit is still seen.
+  m.def("cuda_tripwire_unavailable", &forkguard::cuda::fork_tripwire_unavailable,
+        "'' where the CUDA fork tripwire can be armed in a fork of this process, else why not.");
+  m.def("arm_cuda_tripwire", &forkguard::cuda::arm_fork_tripwire,
+        "Arms the CUDA fork tripwire in this process (a fork child); raises Error where it "
+        "cannot.");
+  m.def("cuda_tripwire_trips", &forkguard::cuda::fork_tripwire_trips,
+        "The cuInit calls the tripwire caught in this process.");
 
   m.def(
       "visible_gpu_count",

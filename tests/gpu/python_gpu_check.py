@@ -12,8 +12,11 @@
    with forkguard preloaded in the server, a rank that initialized CUDA reads batches onto the
    device with process workers (from the rank's own fork server).
 4. forkguard.DataLoader after this process initialized CUDA, over a Dataset whose __getitem__
-   calls cuInit: the workers come from the clean fork server, every cuInit returns 0, one
-   CudaInWorkerWarning names __getitem__; with cuda_in_workers="error", CudaInWorkerError does.
+   calls cuInit: the workers are forked, the real driver's cuInit can carry the fork tripwire
+   (src/cuda/fork_tripwire.hpp: its symbol is large enough), the forked worker's cuInit is caught
+   and the batches are made again by workers from the clean fork server: every cuInit the loop
+   sees returns 0, one CudaInWorkerWarning names __getitem__; with cuda_in_workers="error",
+   CudaInWorkerError does.
 5. forkguard.DataLoader(pin_memory=True): the driver says every batch's memory is page-locked
    host memory (cuPointerGetAttribute), and the batch handed out is the slot itself: with a
    PyTorch built with CUDA, Tensor.is_pinned() is True; with a CPU build (told that CUDA is
@@ -145,6 +148,10 @@ class CudaTouching:
 def dataloader_check(failures):
     import warnings
 
+    unwatched = forkguard._native.cuda_tripwire_unavailable()
+    print(f"  CUDA fork tripwire on this driver: {unwatched or 'can be armed'}")
+    if unwatched:
+        failures.append(f"the CUDA fork tripwire cannot be armed on this driver: {unwatched}")
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         got = [int(x) for b in forkguard.DataLoader(CudaTouching(), batch_size=2, num_workers=2)
