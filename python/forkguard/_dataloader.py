@@ -51,6 +51,7 @@ from torch.utils.data import IterDataPipe, MapDataPipe
 from torch.utils.data import dataloader as _torch_dl
 from torch.utils.data.dataloader import DataLoader as _TorchDataLoader
 
+from . import _accelerate_prepare
 from . import _batch_codec, _dataloader_worker, _native, _torch_compat, _torch_fork
 from ._probe import probe_if_fork_unsafe
 
@@ -125,12 +126,20 @@ class DataLoader(_TorchDataLoader[T_co]):
                 except TypeError as e:
                     raise TypeError(f"{name} must be an integer, not {value!r} (torch: {e})") \
                         from None
+        _accelerate_prepare.install_if_loaded()  # prepare() keeps forkguard's workers
 
     def _get_iterator(self):
         if self.num_workers == 0:
             return _SingleIter(self)
         self.check_worker_number_rationality()
         return _Iter(self)
+
+    def __getstate__(self):
+        # torch's DataLoader pickles (accelerate's GradientState holds every prepared loader):
+        # the weak reference to a live pass does not, and means nothing in another process
+        state = dict(self.__dict__)
+        state["_live"] = None
+        return state
 
     def set_epoch(self, epoch):
         """The number of the next pass (with `seed`, each sample's random state depends on it)."""
