@@ -31,16 +31,30 @@ the fork, once in the clean worker), which a dataset with side effects sees (doc
 Where the driver's cuInit cannot be watched (fork_tripwire_unavailable), "auto" starts clean
 workers from the start, as before. worker_start="fork" is watched too, but keeps its workers:
 it says so once and the batch goes on.
+
+NOTE [ One clean process per loader ]
+Clean workers (after a forked worker's CUDA attempt, worker_start="server", a spawn or forkserver
+multiprocessing_context) cannot share this process's pages: the dataset, collate_fn and
+worker_init_fn must travel. They travel once per loader, not once per worker: the interpreter
+fork server forks the loader's own fork server (_server.py's _dataloader_zygote_main), which
+loads the spec from a memfd, imports what its pickle refers to, puts the result out of the
+collector's reach (gc.freeze) and then forks each worker, which shares those pages as forks of
+one process do. The installed libraries the spec imported (library_modules: torchvision, PIL...;
+never the user's own modules) are preloaded into the interpreter server for the loaders after it,
+so that a non-persistent loader's later passes do not import them again. A spec that cannot be
+loaded there is an error naming that process, with its traceback on stderr.
 """
 import atexit
 import collections
 import gc
 import itertools
+import json
 import multiprocessing
 import operator
 import os
 import pickle
 import signal
+import socket
 import sys
 import warnings
 import weakref
@@ -513,32 +527,67 @@ def _unpicklable_path(obj, path, seen):
 
 
 _hold_keys = itertools.count()
+# The installed libraries the loaders' specs imported in their fork servers (library_modules):
+# the interpreter server preloads them before the next loader's, so that a torchvision dataset's
+# pass does not import torchvision again (non-persistent workers: at every pass).
+_learned_preload = set()
 
 
 class _ServerJobQueue(_native._JobQueue):
-    """The job queue of workers started by the fork server, with what their spec's
-    multiprocessing objects need (the spec is a _travel.Parcel): the fds it refers to are held by
-    the server while it forks the workers, which inherit them; the semaphore twins live as long
-    as the workers (a persistent loader's, across passes) and are given back once they stopped."""
+    """The job queue of clean workers: NOTE [ One clean process per loader ]. The spec (a
+    _travel.Parcel) goes once, in a memfd, to the loader's own fork server, a child of the clean
+    interpreter fork server that loads it and forks the workers; the fds the spec refers to are
+    held by the interpreter server while it forks that process, which the workers inherit them
+    from; the semaphore twins live as long as the workers (a persistent loader's, across passes)
+    and are given back once they stopped."""
 
     def __init__(self, server, parcel, workers, prefetch, pin_device):
+        self._zygote = None
+        self._server = server
         key = None
         if parcel.fds:
             key = f"{os.getpid()}-{next(_hold_keys)}"
             self._ask(server, ["dataloader_hold", key], parcel.fds, "held")
         try:
+            try:
+                self._start_zygote(server, pickle.dumps((key, parcel.data), protocol=5))
+            finally:
+                if key is not None:  # its fork server has been forked: it holds its own copies
+                    self._ask(server, ["dataloader_release", key], [], "released")
             super().__init__(workers=workers, prefetch=prefetch, start=_native._JobStart.SERVER,
-                             server_pid=server.pid, server_sock=server.fd(),
-                             server_function="forkguard.dataloader_worker",
-                             setup=pickle.dumps((key, parcel.data)), pin_device=pin_device,
-                             name=_WORKER_NAME)
+                             server_pid=self._zygote.pid, server_sock=self._link.fd(),
+                             server_function="forkguard.dataloader_worker", setup=b"",
+                             pin_device=pin_device, name=_WORKER_NAME)
         except BaseException:
+            self._stop_zygote()
             parcel.give_back()
             raise
-        finally:
-            if key is not None:  # every worker has been forked: they hold their own copies
-                self._ask(server, ["dataloader_release", key], [], "released")
         self._parcel = parcel
+
+    def _start_zygote(self, server, setup):
+        memfd = os.memfd_create("forkguard-dataloader-spec", os.MFD_CLOEXEC)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            with os.fdopen(os.dup(memfd), "wb") as f:
+                f.write(setup)
+            self._zygote = server.start_child(["call", "forkguard.dataloader_zygote"],
+                                              [1, 2, theirs.fileno(), memfd])
+        finally:
+            theirs.close()
+            os.close(memfd)
+        try:
+            self._link = _native._ServerLink(self._zygote.pid, ours.fileno())
+        finally:
+            ours.close()
+        try:
+            ready = self._link.exchange([], [], None)
+        except _native.Error as e:
+            raise RuntimeError(
+                f"forkguard.DataLoader: the clean process that loads the dataset, collate_fn and "
+                f"worker_init_fn for the workers (PID {self._zygote.pid}, a child of forkguard's "
+                f"fork server) could not load them: {e}; its traceback is on stderr above") \
+                from None
+        _learned_preload.update(json.loads(ready[2]))
 
     @staticmethod
     def _ask(server, fields, fds, expect):
@@ -546,11 +595,36 @@ class _ServerJobQueue(_native._JobQueue):
 
         _launch._exchange(server, fields, fds, expect, who="forkguard.DataLoader")
 
+    def _stop_zygote(self):
+        """Once its workers stopped: the loader's fork server killed, its exit report taken."""
+        zygote, self._zygote = self._zygote, None
+        if zygote is None:
+            return
+        self._link.close()
+        zygote.signal(signal.SIGKILL)
+        try:
+            self._server.link.wait_exit(zygote.pid, 10.0)
+        except _native.Error:  # the interpreter server is gone, and it with it
+            pass
+
+    def ended(self):
+        """Why the workers died with their fork server: the interpreter server's end where it
+        ended (the loader's fork server dies with it), else the loader's fork server's."""
+        code = self._server.proc.poll()
+        if code is None:
+            return None
+        how = (f"killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else
+               f"exited with code {code}")
+        return f"the fork server (PID {self._server.pid}) ended ({how})"
+
     def stop(self, now=False):
         try:
             super().stop(now)
         finally:
-            self._parcel.give_back()
+            try:
+                self._stop_zygote()
+            finally:
+                self._parcel.give_back()
 
 
 class _Restarted(Exception):
@@ -664,10 +738,10 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
             parcel = _dumps(dict(spec, cwd=os.getcwd(), sys_path=list(sys.path),
                                  argv=list(sys.argv), by_value=True, fork_watch=None))
             # The worker module (and forkguard's extension) loaded once in the server, not in
-            # each worker it forks: about 70 ms less per worker start.
+            # each loader's fork server; and the libraries earlier loaders' specs imported.
             _launch.start_server(
-                preload=_launch.default_preload() + ["cloudpickle", "forkguard._dataloader_worker"],
-                wait=True)
+                preload=_launch.default_preload() + ["cloudpickle", "forkguard._dataloader_worker"]
+                + sorted(_learned_preload), wait=True)
             queue = _ServerJobQueue(_launch._server, parcel, self._num_workers,
                                     self._prefetch_factor, self._fg_pin_device)
         self._queue = queue
@@ -735,8 +809,10 @@ class _Iter(_Pass, _torch_dl._BaseDataLoaderIter):
             self._fg_stopped_by = (
                 RuntimeError, "DataLoader worker (pid(s) {}) exited unexpectedly".format(pid))
             if r.message:  # its fork server ended, and took it along
+                ended = getattr(self._queue, "ended", lambda: None)() or \
+                    bytes(r.message).decode(errors="replace")
                 text = "DataLoader worker (pid {}) exited unexpectedly: {}, and its workers " \
-                    "with it. ".format(pid, bytes(r.message).decode(errors="replace"))
+                    "with it. ".format(pid, ended)
             elif sig:
                 text = "DataLoader worker (pid {}) is killed by signal: {}. ".format(
                     pid, signal.strsignal(sig))

@@ -453,29 +453,52 @@ def make(spec):
     return lambda worker_id: Worker(spec, worker_id)
 
 
-def server_main(fd, held):
-    """In a child of the Python fork server: the setup is (KEY, the spec pickled to travel:
-    _travel.pack); `held` is what the server held for the loaders as it forked this worker
-    (dataloader_hold: KEY -> fds). KEY's are the fds the spec's multiprocessing objects refer to
-    (found where a forkserver child finds them); the other loaders' are closed."""
+def load_spec(memfd, held):
+    """In a loader's own fork server (_server.py's _dataloader_zygote_main): its workers' spec
+    from the memfd, loaded once for all of them; returns make(worker_id) -> Worker. The memfd holds
+    (KEY, the spec pickled to travel: _travel.pack); `held` is what the interpreter server held
+    for the loaders as it forked this process (dataloader_hold: KEY -> fds). KEY's are the fds
+    the spec's multiprocessing objects refer to (found where a forkserver child finds them), and
+    the workers forked from here inherit them; the other loaders' are closed."""
+    key, data = pickle.loads(os.pread(memfd, os.fstat(memfd).st_size, 0))
+    for other, fds in held.items():
+        if other != key:
+            for f in fds:
+                os.close(f)
+    if key is not None:
+        import multiprocessing.forkserver
 
-    def build(setup, worker_id):
-        key, data = pickle.loads(setup)
-        for other, fds in held.items():
-            if other != key:
-                for f in fds:
-                    os.close(f)
-        if key is not None:
-            import multiprocessing.forkserver
+        if key not in held:
+            raise RuntimeError(f"the fork server held no fds for this loader ({key}) as it "
+                               "forked its process")
+        multiprocessing.forkserver._forkserver._inherited_fds = list(held[key])
+    spec = pickle.loads(data)
+    del data
+    os.chdir(spec["cwd"])
+    sys.path[:] = spec["sys_path"]
+    sys.argv[:] = spec["argv"]
+    return lambda worker_id: Worker(spec, worker_id)
 
-            if key not in held:
-                raise RuntimeError(f"the fork server held no fds for this worker's loader ({key}) "
-                                   "as it forked it")
-            multiprocessing.forkserver._forkserver._inherited_fds = list(held[key])
-        spec = pickle.loads(data)
-        os.chdir(spec["cwd"])
-        sys.path[:] = spec["sys_path"]
-        sys.argv[:] = spec["argv"]
-        return Worker(spec, worker_id)
 
-    return _native._serve_jobs_after_setup(fd, build)
+def library_modules(names):
+    """The top-level packages among the modules `names` that are installed libraries (their
+    file under a site-packages or dist-packages folder, or the standard library's), sorted:
+    what a loader's spec imported that the interpreter server may preload for the next loaders.
+    Not the user's own modules (the script's folder, the working directory), whose import may do
+    anything (initialize CUDA, say) in a server that must stay clean."""
+    import sysconfig
+
+    stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"]) + os.sep
+    found = set()
+    for name in names:
+        top = name.partition(".")[0]
+        module = sys.modules.get(top)
+        path = getattr(module, "__file__", None)
+        if top in found or path is None or top == "__main__":
+            continue
+        path = os.path.realpath(path)
+        parts = path.split(os.sep)
+        if "site-packages" in parts or "dist-packages" in parts or \
+                (path.startswith(stdlib) and "site-packages" not in parts):
+            found.add(top)
+    return sorted(found)

@@ -22,7 +22,10 @@
 #                     refers to: every worker forked until dataloader_release KEY has them, and
 #                     finds them where a forkserver child does; the spec names KEY)
 #   caller -> server  dataloader_release KEY  ->  released
-#   caller -> server  call forkguard.dataloader_worker + fds [stdout, stderr, socket]
+#   caller -> server  call forkguard.dataloader_zygote + fds [stdout, stderr, socket, memfd]
+#                     (a loader's own fork server: it loads the workers' spec from the memfd
+#                     once, then serves the socket: `call forkguard.dataloader_worker` + fds
+#                     [stdout, stderr, the worker's socket] forks a worker of that spec)
 # and from forkguard.guard() (_guard_child.py, _guard_reroute.py):
 #   caller -> server  guard_start NAME + fds
 # A request that starts a child is answered `started PID` with the child's pidfd attached (opened
@@ -228,30 +231,63 @@ def _multiprocessing_exit():
         pass
 
 
-def _start_dataloader_worker(fds, close):
-    """A forkguard.DataLoader worker (_dataloader.py) on the loader's socket, the third fd, in
-    the caller's process group (as a forked worker is); its handle, or why it could not start.
-    The worker inherits every loader's held fds (dataloader_hold): its setup names its own, and
-    it closes the others'."""
-    out_fd, err_fd, job_fd = fds
-    try:
-        return _start_child(lambda: _dataloader_worker_main(job_fd), out_fd, err_fd, close,
-                            new_group=False, name="a DataLoader worker")
-    finally:
-        os.close(job_fd)
-
-
-def _dataloader_worker_main(job_fd):
-    """Runs in the DataLoader worker; never returns."""
+def _dataloader_zygote_main(sock, memfd):
+    """Runs in a DataLoader's own fork server (a child of this one); never returns. Loads the
+    loader's workers' spec once (_dataloader_worker.load_spec: the fds held for the loader are
+    found where a forkserver child finds them), puts what it made out of the collector's reach
+    (the workers share those pages as forks of one process do), says `ready` with the modules the
+    spec's pickle imported beyond this server's (the caller asks this server to preload them for
+    the loaders after it), then forks each worker asked of it on `sock`."""
     code = 1
     try:
         _child_setup()
+        import gc
+
         os.environ["FORKGUARD_NO_FORK_SERVER"] = "1"  # the package's import starts none here
         from forkguard import _dataloader_worker
 
         del os.environ["FORKGUARD_NO_FORK_SERVER"]
+        known = set(sys.modules)
+        make = _dataloader_worker.load_spec(memfd, dict(_dataloader_fds))
+        os.close(memfd)
+        imported = _dataloader_worker.library_modules(set(sys.modules) - known)
+        gc.freeze()
 
-        code = _dataloader_worker.server_main(job_fd, dict(_dataloader_fds))
+        def start_worker(fds, own, *, function):
+            if len(fds) != 3:
+                for f in fds:
+                    os.close(f)
+                return f"{function}: it takes stdout, stderr and the worker's socket"
+            out_fd, err_fd, job_fd = fds
+            try:
+                return _start_child(lambda: _dataloader_worker_main(job_fd, make), out_fd,
+                                    err_fd, own, new_group=False, name="a DataLoader worker")
+            finally:
+                os.close(job_fd)
+
+        _native.serve_zygote(sock, {"pid": os.getpid(), "preloaded": json.dumps(imported),
+                                    "errors": "{}"},
+                             {"forkguard.dataloader_worker": start_worker})
+        code = 0
+    except BaseException:  # noqa: BLE001 - said on the loader's stderr; the loader names it
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        _multiprocessing_exit()
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _dataloader_worker_main(job_fd, make):
+    """Runs in a DataLoader worker, a fork of its loader's fork server; never returns."""
+    code = 1
+    try:
+        _child_setup()
+        code = _native._serve_jobs_after_setup(job_fd, lambda setup, worker: make(worker))
     except BaseException:  # noqa: BLE001 - a worker never returns into the server's loop
         import traceback
 
@@ -288,12 +324,22 @@ def _notebook_rank(fds, own, *, name, args, env, **context):
         os.close(memfd)
 
 
-def _dataloader_worker(fds, own, *, function):
-    if len(fds) != 3:
+def _dataloader_zygote(fds, own, *, function):
+    """A DataLoader's own fork server (_dataloader_zygote_main), in the caller's process group
+    (as its workers are). It inherits every loader's held fds (dataloader_hold): the spec names
+    its own, and it closes the others'."""
+    if len(fds) != 4:
         for f in fds:
             os.close(f)
-        return f"{function}: it takes stdout, stderr and the loader's socket"
-    return _start_dataloader_worker(fds, (*own, *_held_fds))
+        return f"{function}: it takes stdout, stderr, the loader's socket and the spec's memfd"
+    out_fd, err_fd, sock, memfd = fds
+    try:
+        return _start_child(lambda: _dataloader_zygote_main(sock, memfd), out_fd, err_fd,
+                            (*own, *_held_fds), new_group=False,
+                            name="a DataLoader's fork server")
+    finally:
+        os.close(sock)
+        os.close(memfd)
 
 
 def _guard_start(fds, own, *, name):  # forkguard.guard(): see _guard_child.py
@@ -336,7 +382,7 @@ def _preload_request(fds, own, *, modules):
 # error reply), or a reply as (kind, {fields}).
 _HANDLERS = {
     "entry": _notebook_rank,
-    "forkguard.dataloader_worker": _dataloader_worker,
+    "forkguard.dataloader_zygote": _dataloader_zygote,
     "guard_start": _guard_start,
     "hold_fds": _hold_fds,
     "release_fds": _release_fds,
