@@ -542,7 +542,7 @@ class _ServerJobQueue(_native._JobQueue):
     and are given back once they stopped."""
 
     def __init__(self, server, parcel, workers, prefetch, pin_device):
-        self._zygote = None
+        self._zygote = self._link = None
         self._server = server
         key = None
         if parcel.fds:
@@ -600,7 +600,8 @@ class _ServerJobQueue(_native._JobQueue):
         zygote, self._zygote = self._zygote, None
         if zygote is None:
             return
-        self._link.close()
+        if self._link is not None:
+            self._link.close()
         zygote.signal(signal.SIGKILL)
         try:
             self._server.link.wait_exit(zygote.pid, 10.0)

@@ -612,6 +612,73 @@ def test_the_loader_needs_no_numpy(fake_cuda_env, tmp_path, monkeypatch):
     assert _no_process_left(marker) == []
 
 
+ONE_REBUILD = '''
+MB = 1 << 20
+
+
+class Big(Dataset):
+    """80 MB of bytes (pages written, so they count), and a note of every rebuild."""
+
+    def __init__(self, size):
+        self.blob = bytes(range(256)) * (size // 256)
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        with open("rebuilt.txt", "a") as f:
+            f.write(f"{os.getpid()}\\n")
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return torch.tensor([i, self.blob[i * 1000], os.getpid()])
+
+
+def pss(pid):
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("Pss:"))
+
+
+def run(size):
+    """(rows, the loader's fork server, the workers' parents, Pss of it and its workers)."""
+    loader = forkguard.DataLoader(Big(size), batch_size=4, num_workers=4, worker_start="server",
+                                  persistent_workers=True)
+    it = iter(loader)
+    rows = [r for r in next(it).tolist()]
+    workers = [w.pid for w in it._workers]
+    zygote = it._queue._zygote.pid
+    parents = {int(open(f"/proc/{w}/stat").read().rsplit(")", 1)[1].split()[1]) for w in workers}
+    total = sum(pss(p) for p in workers + [zygote])
+    rows += [r for b in it for r in b.tolist()]
+    it._shutdown_workers()
+    return rows, zygote, sorted(parents), total
+
+
+def main():
+    _, _, _, small = run(256 * 1024)  # the interpreters alone: the baseline
+    os.remove("rebuilt.txt")
+    rows, zygote, parents, big = run(80 * MB)
+    with open("rebuilt.txt") as f:
+        rebuilt = [int(x) for x in f.read().split()]
+    result(rows=[r[:2] for r in rows], rebuilt=rebuilt, zygote=zygote, parents=parents,
+           workers=4, dataset_pss_mb=(big - small) / MB)
+
+
+main()
+'''
+
+
+def test_clean_workers_share_one_rebuild_of_the_dataset_per_loader(script):
+    _, r = script(ONE_REBUILD)
+    blob = bytes(range(256))
+    assert r["rows"] == [[i, blob[(i * 1000) % 256]] for i in range(64)]
+    # rebuilt once, in the loader's own fork server, which forked the 4 workers
+    assert r["rebuilt"] == [r["zygote"]], r
+    assert r["parents"] == [r["zygote"]] and r["workers"] == 4
+    # the 80 MB are one copy shared by the loader's fork server and its 4 workers (not 4 or 5)
+    assert 60 < r["dataset_pss_mb"] < 2 * 80, r["dataset_pss_mb"]
+
+
 # --- 2. A notebook ----------------------------------------------------------------------------
 
 NB_CELL_CUDA = """\
