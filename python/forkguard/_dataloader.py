@@ -550,7 +550,7 @@ class _ServerJobQueue(_native._JobQueue):
             self._ask(server, ["dataloader_hold", key], parcel.fds, "held")
         try:
             try:
-                self._start_zygote(server, pickle.dumps((key, parcel.data), protocol=5))
+                self._start_zygote(server, key, parcel.data)
             finally:
                 if key is not None:  # its fork server has been forked: it holds its own copies
                     self._ask(server, ["dataloader_release", key], [], "released")
@@ -564,12 +564,15 @@ class _ServerJobQueue(_native._JobQueue):
             raise
         self._parcel = parcel
 
-    def _start_zygote(self, server, setup):
+    def _start_zygote(self, server, key, data):
         memfd = os.memfd_create("forkguard-dataloader-spec", os.MFD_CLOEXEC)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            with os.fdopen(os.dup(memfd), "wb") as f:
-                f.write(setup)
+            with os.fdopen(os.dup(memfd), "wb") as f:  # _dataloader_worker.load_spec reads it
+                head = json.dumps(key).encode()
+                f.write(len(head).to_bytes(4, "little"))
+                f.write(head)
+                f.write(data)
             self._zygote = server.start_child(["call", "forkguard.dataloader_zygote"],
                                               [1, 2, theirs.fileno(), memfd])
         finally:

@@ -456,24 +456,31 @@ def make(spec):
 def load_spec(memfd, held):
     """In a loader's own fork server (_server.py's _dataloader_zygote_main): its workers' spec
     from the memfd, loaded once for all of them; returns make(worker_id) -> Worker. The memfd holds
-    (KEY, the spec pickled to travel: _travel.pack); `held` is what the interpreter server held
-    for the loaders as it forked this process (dataloader_hold: KEY -> fds). KEY's are the fds
-    the spec's multiprocessing objects refer to (found where a forkserver child finds them), and
-    the workers forked from here inherit them; the other loaders' are closed."""
-    key, data = pickle.loads(os.pread(memfd, os.fstat(memfd).st_size, 0))
-    for other, fds in held.items():
-        if other != key:
-            for f in fds:
-                os.close(f)
-    if key is not None:
-        import multiprocessing.forkserver
+    KEY (a u32 length, then JSON: _dataloader._ServerJobQueue writes it), then the spec pickled to
+    travel (_travel.pack), unpickled from the mapping itself (no copy of the pickle); `held` is
+    what the interpreter server held for the loaders as it forked this process (dataloader_hold:
+    KEY -> fds). KEY's are the fds the spec's multiprocessing objects refer to (found where a
+    forkserver child finds them), and the workers forked from here inherit them; the other
+    loaders' are closed."""
+    import json
+    import mmap
 
-        if key not in held:
-            raise RuntimeError(f"the fork server held no fds for this loader ({key}) as it "
-                               "forked its process")
-        multiprocessing.forkserver._forkserver._inherited_fds = list(held[key])
-    spec = pickle.loads(data)
-    del data
+    with mmap.mmap(memfd, 0, prot=mmap.PROT_READ) as mapped, memoryview(mapped) as view:
+        size = int.from_bytes(view[:4], "little")
+        key = json.loads(bytes(view[4:4 + size]))
+        for other, fds in held.items():
+            if other != key:
+                for f in fds:
+                    os.close(f)
+        if key is not None:  # before the spec's objects are rebuilt: they look there
+            import multiprocessing.forkserver
+
+            if key not in held:
+                raise RuntimeError(f"the fork server held no fds for this loader ({key}) as it "
+                                   "forked its process")
+            multiprocessing.forkserver._forkserver._inherited_fds = list(held[key])
+        with view[4 + size:] as pickled:
+            spec = pickle.loads(pickled)
     os.chdir(spec["cwd"])
     sys.path[:] = spec["sys_path"]
     sys.argv[:] = spec["argv"]

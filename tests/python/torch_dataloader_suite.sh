@@ -3,9 +3,10 @@
 # tests/peer-suites/torch-dataloader substitutes the class in every interpreter of the run), on
 # the torch of $PYTHON (default /usr/bin/python3): 1.13.1's file on torch 1.13, 2.6.0's on torch
 # 2.x (scripts/fetch-peer-suites fetches them from Debian's source packages into
-# build/peer-suites; without them the test fails, saying so). The workers START names: "fork"
-# (forks of the loader's process, what "auto" does on a fork-safe process) or "server" (children
-# of the clean interpreter fork server, what "auto" does once CUDA is initialized). Passes when
+# build/peer-suites; without them the test fails, saying so). The workers START names: "auto"
+# (the default: forks, watched for CUDA where the suite's process asked torch.cuda.is_available()
+# at import, which on torch 2.x's CUDA build sets torch's fork poison), "fork" (forks, whatever
+# the process did) or "server" (clean workers, from each loader's own fork server). Passes when
 # every test that passes with torch's own class (the harness's baseline for that torch, on this
 # machine) passes, but those listed below with their reason (docs/python.md lists them too).
 #
@@ -32,8 +33,8 @@ if [ ! -x "$suite/run.sh" ]; then
   exit 77
 fi
 case $start in
-  fork|server) ;;
-  *) echo "START must be fork or server, not $start" >&2; exit 2 ;;
+  auto|fork|server) ;;
+  *) echo "START must be auto, fork or server, not $start" >&2; exit 2 ;;
 esac
 out=$(mktemp -d)
 # The run's folder (pytest.log, junit.xml, outcomes.tsv) is kept when the check fails.
