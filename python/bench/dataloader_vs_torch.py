@@ -641,14 +641,27 @@ def wait_workers_gone(pids, timeout=30.0):
     return alive
 
 
+def parent_of(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def memory_sample(workers):
-    """(main + workers Pss kB, main Pss kB, workers Pss kB, others: {name: Pss kB}) now; the
-    others are this run's other processes (the fork server, a leftover worker)."""
+    """(main + workers Pss kB, main Pss kB, workers Pss kB, others: {name: Pss kB}) now. The
+    workers' own parent where it is not this process (forkguard's clean workers: the loader's own
+    fork server, which holds the dataset they share) counts with them; the others are this run's
+    other processes (the interpreter fork server, the C++ zygote, a leftover worker), which both
+    columns have or which no loader owns."""
     main = pss_or_zero(os.getpid())[0]
-    w = sum(pss_or_zero(pid)[0] for pid in workers)
+    owners = {parent_of(pid) for pid in workers} - {os.getpid(), None}
+    counted = set(workers) | owners
+    w = sum(pss_or_zero(pid)[0] for pid in counted)
     others = {}
     for pid, name in run_processes().items():
-        if pid not in workers:
+        if pid not in counted:
             others[f"{name}[{pid}]"] = pss_or_zero(pid)[0]
     return main + w, main, w, others
 
@@ -791,8 +804,8 @@ def compare_after_cuda(scenario, title, ds, kw, epochs, check, a):
             f"epoch {e + 1} ({'the same workers' if persistent else 'new iter(): new workers'})")
         row(what, lambda r, e=e: r["epochs"][e], "s", 1, 2, f"epoch {e + 1}")
     nw = kw["num_workers"]
-    row(f"Pss main + {nw} workers at the first batch", lambda r: r["pss_first"][0], "MB",
-        1 / 1024, 0, "Pss main + workers, first batch")
+    row(f"Pss main + {nw} workers (+ their fork server) at the first batch",
+        lambda r: r["pss_first"][0], "MB", 1 / 1024, 0, "Pss main + workers, first batch")
     row(f"  of which the {nw} workers", lambda r: r["pss_first"][2], "MB", 1 / 1024, 0)
     row("Pss main + workers once each delivered a batch", lambda r: r["pss_all"][0], "MB",
         1 / 1024, 0)

@@ -551,6 +551,7 @@ class _ServerJobQueue(_native._JobQueue):
         try:
             try:
                 self._start_zygote(server, key, parcel.data)
+                parcel.data = None  # loaded there: this process keeps only the twins to give back
             finally:
                 if key is not None:  # its fork server has been forked: it holds its own copies
                     self._ask(server, ["dataloader_release", key], [], "released")

@@ -423,9 +423,11 @@ def _dirty_kinds():
 DIRTY = _dirty_kinds()
 
 
+@pytest.mark.parametrize("start", ["auto", "fork"])
 @pytest.mark.parametrize("how", DIRTY)
-def test_after_cuda_auto_forks_the_workers_and_loads_what_torchs_fork_loader_loads(script, how):
-    out, r = script(FORK_AFTER_CUDA, args=[how, "auto"])
+def test_after_cuda_auto_forks_the_workers_and_loads_what_torchs_fork_loader_loads(script, how,
+                                                                                  start):
+    out, r = script(FORK_AFTER_CUDA, args=[how, start])
     expected = [[i, i * i, 10 * i, 7, 42, r["pid"]] for i in range(24)]
     # every row made by a fork of this process (its parent is us), with the parent's objects
     assert r["rows"] == [expected, expected], r["rows"]
