@@ -11,20 +11,25 @@ but forks the ranks from forkguard's clean interpreter fork server, so switching
     from forkguard import notebook_launcher      # was: from accelerate import notebook_launcher
     notebook_launcher(training_function, args=(model_name,), num_processes=2)
 
-accelerate 1.11 to 1.15 do not differ in any of this (tests/python/test_accelerate.py checks
-each against this module), so it holds no version seam.
+accelerate 1.11 to 1.16 (tests/python/test_accelerate.py checks each against this module) differ
+in two things only, kept in ``_Peer``, this module's version seam: the variable that carries
+``mixed_precision`` to the ranks and the words for an unknown one.
 """
 from __future__ import annotations
 
+import functools
+import importlib.metadata
+import importlib.util
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 from ._launch import RankError, notebook_launch, whole
 from ._native import visible_gpu_count
@@ -45,6 +50,52 @@ _P2P_IB_UNSUPPORTED = ("RTX 40",)
 _P2P_IB_DRIVER = "550.40.07"
 
 
+class _Peer(NamedTuple):
+    """What the installed accelerate's notebook_launcher does that its releases do differently."""
+
+    version: Optional[Tuple[int, int]]  # (major, minor); None: accelerate is not installed
+    precision_variable: str  # the ranks' variable for mixed_precision
+    precision_as_given: bool  # an unknown mixed_precision is named as the caller spelled it
+
+
+@functools.lru_cache(maxsize=None)
+def _peer() -> _Peer:
+    """The installed accelerate's ways, read once; without accelerate, the newest release's.
+
+    accelerate 1.16 gives the ranks ACCELERATE_MIXED_PRECISION, the variable its Accelerator reads
+    (1.11-1.15: MIXED_PRECISION, which accelerate does not read), and raises its ValueError for an
+    unknown mixed_precision with the caller's spelling (1.11-1.15 meant it lower-cased, but their
+    message reads ``args.mixed_precision`` and raises AttributeError: docs/accelerate.md)."""
+    version = _accelerate_version()
+    since_1_16 = version is None or version >= (1, 16)
+    return _Peer(version=version,
+                 precision_variable="ACCELERATE_MIXED_PRECISION" if since_1_16 else
+                 "MIXED_PRECISION",
+                 precision_as_given=since_1_16)
+
+
+def _accelerate_version() -> Optional[Tuple[int, int]]:
+    """(major, minor) of the accelerate this interpreter imports, or would: the imported module's
+    ``__version__``, else the metadata beside the package ``import accelerate`` would find (the
+    first on sys.path: a PYTHONPATH entry before the venv's own), without importing it."""
+    module = sys.modules.get("accelerate")
+    text = getattr(module, "__version__", None)
+    if text is None:
+        spec = importlib.util.find_spec("accelerate")
+        if spec is None:
+            return None
+        found = []
+        if spec.origin and os.path.basename(spec.origin) == "__init__.py":
+            entry = os.path.dirname(os.path.dirname(spec.origin))
+            found = list(importlib.metadata.distributions(name="accelerate", path=[entry]))
+        try:
+            text = found[0].version if found else importlib.metadata.version("accelerate")
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    m = re.match(r"(\d+)\.(\d+)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
 def notebook_launcher(function: Callable[..., Any], args: Sequence[Any] = (),
                       num_processes: Optional[int] = None, mixed_precision: str = "no",
                       use_port: str = "29500", master_addr: str = "127.0.0.1", node_rank: int = 0,
@@ -58,8 +109,9 @@ def notebook_launcher(function: Callable[..., Any], args: Sequence[Any] = (),
     this process, as accelerate does. More are forked from forkguard's clean interpreter, so CUDA
     use in the notebook before the call does not break them. Each rank sees torch's elastic
     agent's variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ROLE_NAME,
-    TORCHELASTIC_*, TORCH_NCCL_ASYNC_ERROR_HANDLING, ...) and accelerate's (MIXED_PRECISION,
-    NPROC, NODE_RANK, NCCL_P2P_DISABLE/NCCL_IB_DISABLE where accelerate sets them); as under the
+    TORCHELASTIC_*, TORCH_NCCL_ASYNC_ERROR_HANDLING, ...) and accelerate's
+    (ACCELERATE_MIXED_PRECISION, before 1.16 MIXED_PRECISION; NPROC, NODE_RANK,
+    NCCL_P2P_DISABLE/NCCL_IB_DISABLE where accelerate sets them); as under the
     agent, the rendezvous store (TORCHELASTIC_USE_AGENT_STORE) is this process's. A failing rank
     raises ``ChildFailedRankError``: torch's ChildFailedError (what accelerate raises) and
     :class:`forkguard.RankError` (the rank, its traceback, forkguard's report).
@@ -72,10 +124,11 @@ def notebook_launcher(function: Callable[..., Any], args: Sequence[Any] = (),
     often. ``log_line_prefix_template`` is not applied (each line is prefixed ``[rankN]:``).
     """
     # accelerate's checks, in its order and words (an unknown mixed_precision: see
-    # docs/accelerate.md, accelerate's own message is lost to a typo there).
+    # docs/accelerate.md, before 1.16 accelerate's own message is lost to a typo there).
     precision = mixed_precision.lower()
     if precision not in _PRECISIONS:
-        raise ValueError(f"Unknown mixed_precision mode: {precision}. Choose between "
+        shown = mixed_precision if _peer().precision_as_given else precision
+        raise ValueError(f"Unknown mixed_precision mode: {shown}. Choose between "
                          f"{_PRECISIONS}.")
     if num_processes is None:
         raise ValueError("You have to specify the number of devices you would like to use, add "
@@ -112,7 +165,7 @@ def _launch(function, args, num_processes, precision, use_port, master_addr, nod
     # accelerate also refuses once bitsandbytes is imported here: its ranks are forks of this
     # process, forkguard's are not (docs/accelerate.md).
     env = {"NPROC": str(num_processes), "NODE_RANK": str(node_rank),
-           "MIXED_PRECISION": precision,
+           _peer().precision_variable: precision,
            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING",
                                                               "1"),
            "TORCHELASTIC_SIGNALS_TO_HANDLE": _SIGNALS_TO_HANDLE}

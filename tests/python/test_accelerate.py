@@ -1,5 +1,5 @@
 """forkguard.notebook_launcher against accelerate's own, on every accelerate of the matrix
-(accelerate_matrix.py: 1.11 to 1.15 on the torch 2.14 venv, each selected by PYTHONPATH):
+(accelerate_matrix.py: 1.11 to 1.16 on the torch 2.14 venv, each selected by PYTHONPATH):
 
 - the regression in a real Jupyter kernel: which launcher's ranks start in torch's bad fork, on a
   notebook that touched nothing and after `torch.cuda.is_available()` (docs/accelerate.md's table);
@@ -46,9 +46,16 @@ def accelerate(installed, version):
 # themselves before they fork: 1.12 and 1.13 call torch.cuda.is_available() to pick the device,
 # and every version before 1.14 builds torch's LaunchConfig without numa_options, whose
 # __post_init__ (torch >= 2.9) asks torch.accelerator.is_available(): torch's fork poison too.
-# 1.14 (accelerate PR #4059) passes numa_options and asks nothing.
+# 1.14 (accelerate PR #4059) passes numa_options and asks nothing; 1.16 neither.
 POISONS_ITSELF = {"1.11.0": True, "1.12.0": True, "1.13.0": True, "1.14.0": False,
-                  "1.15.0": False}
+                  "1.15.0": False, "1.16.0": False}
+
+
+def measured(table, version):
+    if version not in table:
+        pytest.fail(f"accelerate {version} is in the matrix but not in this test's table of "
+                    f"what was measured on it: measure it and add it")
+    return table[version]
 
 
 def assert_ranks(outcome, bad_fork):
@@ -70,7 +77,7 @@ def test_regression_in_a_jupyter_kernel(installed, version, tmp_path):
     assert not res["forkguard"].parent_poisoned
     assert_ranks(res["forkguard"], bad_fork=False)
     assert not res["accelerate"].parent_poisoned
-    assert_ranks(res["accelerate"], bad_fork=POISONS_ITSELF[version])
+    assert_ranks(res["accelerate"], bad_fork=measured(POISONS_ITSELF, version))
     # After torch.cuda.is_available() in a cell: accelerate's ranks are forks of a poisoned
     # notebook on every version; forkguard's (either way) are not.
     for label in ("accelerate after is_available", "forkguard after is_available",
@@ -183,6 +190,13 @@ def compare(ours, theirs, kwargs):
                                         f"accelerate {value!r}"
 
 
+# The variable that carries mixed_precision to the ranks: 1.16 gives them the one its Accelerator
+# reads; before, a name accelerate does not read (docs/accelerate.md).
+PRECISION_VARIABLE = {"1.11.0": "MIXED_PRECISION", "1.12.0": "MIXED_PRECISION",
+                      "1.13.0": "MIXED_PRECISION", "1.14.0": "MIXED_PRECISION",
+                      "1.15.0": "MIXED_PRECISION", "1.16.0": "ACCELERATE_MIXED_PRECISION"}
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 def test_a_rank_environment_is_accelerates(installed, version, tmp_path):
     acc = accelerate(installed, version)
@@ -191,7 +205,10 @@ def test_a_rank_environment_is_accelerates(installed, version, tmp_path):
     theirs = environments(acc, "accelerate", str(tmp_path / "accelerate"), kwargs, env)
     ours = environments(acc, "forkguard", str(tmp_path / "forkguard"), kwargs, env)
     compare(ours, theirs, kwargs)
-    assert theirs[1]["MIXED_PRECISION"] == "fp16" and "ACCELERATE_MIXED_PRECISION" not in ours[1]
+    variable = measured(PRECISION_VARIABLE, version)
+    other = ({"MIXED_PRECISION", "ACCELERATE_MIXED_PRECISION"} - {variable}).pop()
+    assert theirs[1][variable] == ours[1][variable] == "fp16"
+    assert other not in theirs[1] and other not in ours[1]
     assert "FORK_LAUNCHED" not in ours[1]
     assert ours[1]["TORCHELASTIC_RUN_ID"] == "run-7"
 
@@ -276,14 +293,25 @@ def test_bad_input_gets_accelerates_error(installed, version):
         assert f == a, f"{case}: forkguard {f}, accelerate {a}"
 
 
+UNKNOWN_PRECISION = [([], {"num_processes": 2, "mixed_precision": "FP32"})]
+CHOICES = "Choose between ['no', 'fp8', 'fp16', 'bf16']."
+# What accelerate raises for it. 1.11-1.15 mean a ValueError, but their message reads
+# `args.mixed_precision` (their args is the tuple of arguments); 1.16 raises it, with the caller's
+# spelling. forkguard raises the ValueError on every version (docs/accelerate.md).
+UNKNOWN_PRECISION_RAISES = {
+    v: ["AttributeError", "'tuple' object has no attribute 'mixed_precision'"]
+    for v in ("1.11.0", "1.12.0", "1.13.0", "1.14.0", "1.15.0")}
+UNKNOWN_PRECISION_RAISES["1.16.0"] = ["ValueError",
+                                      f"Unknown mixed_precision mode: FP32. {CHOICES}"]
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 def test_an_unknown_mixed_precision_is_the_error_accelerate_means(installed, version):
-    # The named difference (docs/accelerate.md): accelerate's message for it reads
-    # `args.mixed_precision` (its args is the tuple of arguments), so it raises AttributeError.
     acc = accelerate(installed, version)
-    case = [([], {"num_processes": 2, "mixed_precision": "fp32"})]
-    [theirs] = bad_input(acc, "accelerate", case)
-    [ours] = bad_input(acc, "forkguard", case)
-    assert theirs == ["AttributeError", "'tuple' object has no attribute 'mixed_precision'"]
-    assert ours == ["ValueError", "Unknown mixed_precision mode: fp32. Choose between "
-                                  "['no', 'fp8', 'fp16', 'bf16']."]
+    [theirs] = bad_input(acc, "accelerate", UNKNOWN_PRECISION)
+    [ours] = bad_input(acc, "forkguard", UNKNOWN_PRECISION)
+    assert theirs == measured(UNKNOWN_PRECISION_RAISES, version)
+    if theirs[0] == "ValueError":
+        assert ours == theirs
+    else:  # what the line that failed meant: the lower-cased value
+        assert ours == ["ValueError", f"Unknown mixed_precision mode: fp32. {CHOICES}"]
