@@ -231,74 +231,65 @@ def _multiprocessing_exit():
         pass
 
 
+def _child_main(body):
+    """Runs body() in a child of a fork server (after _child_setup) and never returns: the exit
+    code is body's, 1 where it raised (its traceback on the child's stderr, the caller's)."""
+    code = 1
+    try:
+        _child_setup()
+        code = body()
+    except BaseException:  # noqa: BLE001 - a child never returns into its server's loop
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        _multiprocessing_exit()
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
 def _dataloader_zygote_main(sock, memfd):
-    """Runs in a DataLoader's own fork server (a child of this one); never returns. Loads the
-    loader's workers' spec once (_dataloader_worker.load_spec: the fds held for the loader are
-    found where a forkserver child finds them), puts what it made out of the collector's reach
-    (the workers share those pages as forks of one process do), says `ready` with the modules the
-    spec's pickle imported beyond this server's (the caller asks this server to preload them for
-    the loaders after it), then forks each worker asked of it on `sock`."""
-    code = 1
-    try:
-        _child_setup()
-        import gc
+    """Runs in a DataLoader's own fork server (a child of this one): loads the loader's workers'
+    spec once (_dataloader_worker.load_spec: the fds held for the loader are found where a
+    forkserver child finds them), puts what it made out of the collector's reach (the workers
+    share those pages as forks of one process do), says `ready` with the modules the spec's
+    pickle imported beyond this server's (the caller asks this server to preload them for the
+    loaders after it), then forks each worker asked of it on `sock`. The loader names its failure;
+    the traceback is on the loader's stderr."""
+    import gc
 
-        os.environ["FORKGUARD_NO_FORK_SERVER"] = "1"  # the package's import starts none here
-        from forkguard import _dataloader_worker
+    os.environ["FORKGUARD_NO_FORK_SERVER"] = "1"  # the package's import starts none here
+    from forkguard import _dataloader_worker
 
-        del os.environ["FORKGUARD_NO_FORK_SERVER"]
-        known = set(sys.modules)
-        make = _dataloader_worker.load_spec(memfd, dict(_dataloader_fds))
-        os.close(memfd)
-        imported = _dataloader_worker.library_modules(set(sys.modules) - known)
-        gc.freeze()
+    del os.environ["FORKGUARD_NO_FORK_SERVER"]
+    known = set(sys.modules)
+    make = _dataloader_worker.load_spec(memfd, dict(_dataloader_fds))
+    os.close(memfd)
+    imported = _dataloader_worker.library_modules(set(sys.modules) - known)
+    gc.freeze()
 
-        def start_worker(fds, own, *, function):
-            if len(fds) != 3:
-                for f in fds:
-                    os.close(f)
-                return f"{function}: it takes stdout, stderr and the worker's socket"
-            out_fd, err_fd, job_fd = fds
-            try:
-                return _start_child(lambda: _dataloader_worker_main(job_fd, make), out_fd,
-                                    err_fd, own, new_group=False, name="a DataLoader worker")
-            finally:
-                os.close(job_fd)
+    def start_worker(fds, own, *, function):
+        if len(fds) != 3:
+            for f in fds:
+                os.close(f)
+            return f"{function}: it takes stdout, stderr and the worker's socket"
+        out_fd, err_fd, job_fd = fds
 
-        _native.serve_zygote(sock, {"pid": os.getpid(), "preloaded": json.dumps(imported),
-                                    "errors": "{}"},
-                             {"forkguard.dataloader_worker": start_worker})
-        code = 0
-    except BaseException:  # noqa: BLE001 - said on the loader's stderr; the loader names it
-        import traceback
+        def worker():  # a DataLoader worker, a fork of this process
+            return _native._serve_jobs_after_setup(job_fd, lambda setup, w: make(w))
 
-        traceback.print_exc()
-    finally:
-        _multiprocessing_exit()
         try:
-            sys.stdout.flush()
-            sys.stderr.flush()
+            return _start_child(lambda: _child_main(worker), out_fd, err_fd, own,
+                                new_group=False, name="a DataLoader worker")
         finally:
-            os._exit(code)
+            os.close(job_fd)
 
-
-def _dataloader_worker_main(job_fd, make):
-    """Runs in a DataLoader worker, a fork of its loader's fork server; never returns."""
-    code = 1
-    try:
-        _child_setup()
-        code = _native._serve_jobs_after_setup(job_fd, lambda setup, worker: make(worker))
-    except BaseException:  # noqa: BLE001 - a worker never returns into the server's loop
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        _multiprocessing_exit()
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+    _native.serve_zygote(sock, {"pid": os.getpid(), "preloaded": json.dumps(imported),
+                                "errors": "{}"}, {"forkguard.dataloader_worker": start_worker})
+    return 0
 
 
 def _release_held():
@@ -334,8 +325,8 @@ def _dataloader_zygote(fds, own, *, function):
         return f"{function}: it takes stdout, stderr, the loader's socket and the spec's memfd"
     out_fd, err_fd, sock, memfd = fds
     try:
-        return _start_child(lambda: _dataloader_zygote_main(sock, memfd), out_fd, err_fd,
-                            (*own, *_held_fds), new_group=False,
+        return _start_child(lambda: _child_main(lambda: _dataloader_zygote_main(sock, memfd)),
+                            out_fd, err_fd, (*own, *_held_fds), new_group=False,
                             name="a DataLoader's fork server")
     finally:
         os.close(sock)

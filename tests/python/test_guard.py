@@ -246,8 +246,9 @@ def test_exit_reports_reach_their_owner_whoever_reads_the_servers_socket(script)
         if __name__ == "__main__":
             cuinit()
             forkguard.guard()
+            # server workers: "auto" forks them (this process's children, reaped by the loader)
             loader = forkguard.DataLoader(Items(), batch_size=4, num_workers=2,
-                                          persistent_workers=True)
+                                          persistent_workers=True, worker_start="server")
             it = iter(loader)
             next(it)
             victim = loader._iterator._workers[1].pid
