@@ -60,14 +60,15 @@ class _Peer(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def _peer() -> _Peer:
-    """The installed accelerate's ways, read once; without accelerate, the newest release's.
+    """The installed accelerate's ways, read once; without accelerate, 1.11-1.15's (forkguard's
+    before 1.16: what a notebook written for it reads).
 
     accelerate 1.16 gives the ranks ACCELERATE_MIXED_PRECISION, the variable its Accelerator reads
     (1.11-1.15: MIXED_PRECISION, which accelerate does not read), and raises its ValueError for an
     unknown mixed_precision with the caller's spelling (1.11-1.15 meant it lower-cased, but their
     message reads ``args.mixed_precision`` and raises AttributeError: docs/accelerate.md)."""
     version = _accelerate_version()
-    since_1_16 = version is None or version >= (1, 16)
+    since_1_16 = version is not None and version >= (1, 16)
     return _Peer(version=version,
                  precision_variable="ACCELERATE_MIXED_PRECISION" if since_1_16 else
                  "MIXED_PRECISION",

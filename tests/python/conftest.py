@@ -4,6 +4,8 @@ behind (processes carrying a test's marker, the fork server's children, this pro
 import os
 import pathlib
 import random
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -140,3 +142,34 @@ def need_torch_build(build: str, found):
     if found != build:
         pytest.skip(f"needs a {build} build of torch; this interpreter's torch is "
                     f"{found or 'absent'} ({sys.executable})")
+
+
+_PRIVATE_SHM = {}
+
+
+def private_shm_allowed():
+    """Whether this process may run a command in a private mount namespace with its own tmpfs on
+    /dev/shm (root, or a user namespace): (True, "") or (False, why)."""
+    if "ok" not in _PRIVATE_SHM:
+        unshare = shutil.which("unshare")
+        if unshare is None:
+            _PRIVATE_SHM.update(ok=False, why="no unshare(1)")
+        else:
+            probe = subprocess.run([unshare, "-m", "sh", "-c",
+                                    "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+                                   capture_output=True, text=True)
+            _PRIVATE_SHM.update(ok=probe.returncode == 0, why=probe.stderr.strip())
+    return _PRIVATE_SHM["ok"], _PRIVATE_SHM["why"]
+
+
+def in_private_shm(cmd, listing, options="size=1g"):
+    """`cmd` run in a private mount namespace with a tmpfs of its own on /dev/shm (`options`: its
+    mount options), whose files, once the command and the fork server it started (which exits
+    after it: waited on, bounded) are gone, are listed into the file `listing`: exactly what the
+    command left there, whatever other programs on the machine make in the host's /dev/shm. The
+    command must run in a session of its own (start_new_session=True). The exit code is cmd's."""
+    return [shutil.which("unshare"), "-m", "sh", "-c",
+            f'mount -t tmpfs -o {options} tmpfs /dev/shm || exit 99; '
+            '"$@"; rc=$?; for i in $(seq 100); do '
+            'pgrep -s 0 -f "forkguard/[_]server.py" >/dev/null || break; sleep 0.05; '
+            f'done; ls -A /dev/shm > {listing}; exit $rc', "sh", *cmd]

@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +28,7 @@ import time
 import uuid
 
 import pytest
-from conftest import make_images, marked_pids
+from conftest import in_private_shm, make_images, marked_pids, private_shm_allowed
 
 import forkguard
 
@@ -168,24 +167,6 @@ def _no_process_left(marker):
     return marked_pids(f"FORKGUARD_DL_TEST={marker}")
 
 
-_PRIVATE_SHM = {}
-
-
-def _private_shm_allowed():
-    """Whether this process may run a command in a private mount namespace with its own tmpfs on
-    /dev/shm (root, or a user namespace): (True, "") or (False, why)."""
-    if "ok" not in _PRIVATE_SHM:
-        unshare = shutil.which("unshare")
-        if unshare is None:
-            _PRIVATE_SHM.update(ok=False, why="no unshare(1)")
-        else:
-            probe = subprocess.run([unshare, "-m", "sh", "-c",
-                                    "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
-                                   capture_output=True, text=True)
-            _PRIVATE_SHM.update(ok=probe.returncode == 0, why=probe.stderr.strip())
-    return _PRIVATE_SHM["ok"], _PRIVATE_SHM["why"]
-
-
 @pytest.fixture()
 def script(fake_cuda_env, tmp_path, monkeypatch):
     """Runs a script (PRELUDE + body) in a child interpreter and returns (CompletedProcess, the
@@ -210,17 +191,11 @@ def script(fake_cuda_env, tmp_path, monkeypatch):
         path.write_text(PRELUDE + textwrap.dedent(body))
         cmd = [sys.executable, str(path), *map(str, args)]
         listing = tmp_path / f"script{len(runs)}.shm"
-        ok, why = _private_shm_allowed()
+        ok, why = private_shm_allowed()
         if shm is not None and not ok:
             pytest.skip(f"a private /dev/shm ({shm}) is not permitted here: {why}")
         if ok:
-            # The listing once the script and the fork server it started (which exits after
-            # it: waited on, bounded) are gone.
-            cmd = [shutil.which("unshare"), "-m", "sh", "-c",
-                   f'mount -t tmpfs -o {shm or "size=1g"} tmpfs /dev/shm || exit 99; '
-                   '"$@"; rc=$?; for i in $(seq 100); do '
-                   'pgrep -s 0 -f "forkguard/[_]server.py" >/dev/null || break; sleep 0.05; '
-                   f'done; ls -A /dev/shm > {listing}; exit $rc', "sh", *cmd]
+            cmd = in_private_shm(cmd, listing, shm or "size=1g")
         err_path = tmp_path / f"script{len(runs)}.stderr"
         with open(err_path, "w") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
@@ -256,7 +231,7 @@ def script(fake_cuda_env, tmp_path, monkeypatch):
     yield run
     assert _no_process_left(marker) == []
     assert left_in_private_shm == []
-    if not _private_shm_allowed()[0]:
+    if not private_shm_allowed()[0]:
         assert _leftover_shm(shm_before) == set()
 
 
@@ -1512,7 +1487,7 @@ def test_batches_of_images_view_the_slot_and_nothing_goes_through_dev_shm(script
     # default_collate in a worker, get_worker_info() set, would stack each batch into a new
     # shared-memory file, only for it to be copied into the slot); elsewhere, none appears.
     _, r = script(TRANSPORT, args=[start],
-                  shm="ro,size=64m" if _private_shm_allowed()[0] else None)
+                  shm="ro,size=64m" if private_shm_allowed()[0] else None)
     assert r["error"] is None, r["error"]
     assert r["batches"] == 3 and r["right"] == [True] * 3
     assert r["viewed"] == [True] * 3  # the tensor's storage lies in a forkguard-batch memfd
@@ -2246,7 +2221,7 @@ def test_a_datasets_mp_value_event_and_queue_are_shared_with_server_workers(scri
     # them. (Forked workers are left out: one may exit before its Queue's feeder thread wrote
     # what it put, as the worker's loop holds the GIL between jobs and a forked worker does not
     # run multiprocessing's exit function; a fork-server worker does.)
-    out, r = script(SHARED, args=["server", persistent, int(_private_shm_allowed()[0])])
+    out, r = script(SHARED, args=["server", persistent, int(private_shm_allowed()[0])])
     assert r["epochs"] == [list(range(16))] * 2
     assert r["count"] == 32
     assert r["arrived"] == (2 if persistent == "1" else 4)

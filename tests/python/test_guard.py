@@ -13,7 +13,7 @@ import time
 import uuid
 
 import pytest
-from conftest import marked_pids, need_torch_build
+from conftest import in_private_shm, marked_pids, need_torch_build, private_shm_allowed
 
 import forkguard
 
@@ -39,10 +39,15 @@ def _shm():
 
 @pytest.fixture()
 def script(fake_cuda_env, tmp_path):
-    """Runs a script (PRELUDE + body) in a child interpreter; checks nothing is left behind."""
+    """Runs a script (PRELUDE + body) in a child interpreter; checks nothing is left behind.
+    Where permitted the script runs with a /dev/shm of its own (conftest.in_private_shm), whose
+    files once it exited are exactly the ones it left: other tests and programs make semaphores
+    in the host's meanwhile."""
     shm_before = _shm()
     marker = f"FORKGUARD_GUARD_TEST={uuid.uuid4().hex}"
     runs = []
+    left = []
+    private = private_shm_allowed()[0]
 
     def run(body, args=(), expect_rc=0, prelude=PRELUDE, runner=()):
         path = tmp_path / f"script{len(runs)}.py"
@@ -50,9 +55,15 @@ def script(fake_cuda_env, tmp_path):
         package_parent = os.path.dirname(os.path.dirname(os.path.abspath(forkguard.__file__)))
         env = dict(os.environ, FORKGUARD_GUARD_TEST=marker.split("=")[1],
                    PYTHONPATH=package_parent)
-        out = subprocess.run([sys.executable, *runner, str(path), *args], capture_output=True,
-                             text=True, timeout=300, env=env, cwd=tmp_path)
+        cmd = [sys.executable, *runner, str(path), *args]
+        listing = tmp_path / f"script{len(runs)}.shm"
+        if private:
+            cmd = in_private_shm(cmd, listing)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env,
+                             cwd=tmp_path, start_new_session=True)
         runs.append(out)
+        if listing.exists():
+            left.extend(f for f in listing.read_text().split() if f.startswith(("sem.", "torch_")))
         assert out.returncode == expect_rc, out.stdout + out.stderr
         return out
 
@@ -62,7 +73,9 @@ def script(fake_cuda_env, tmp_path):
     while marked_pids(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert marked_pids(marker) == []
-    assert {f for f in _shm() - shm_before if f.startswith(("sem.", "torch_"))} == set()
+    assert left == []
+    if not private:
+        assert {f for f in _shm() - shm_before if f.startswith(("sem.", "torch_"))} == set()
 
 
 def test_refuse_raises_with_the_evidence_before_any_child_exists(script):
