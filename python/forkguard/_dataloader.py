@@ -615,12 +615,10 @@ class _ServerJobQueue(_native._JobQueue):
     def ended(self):
         """Why the workers died with their fork server: the interpreter server's end where it
         ended (the loader's fork server dies with it), else the loader's fork server's."""
-        code = self._server.proc.poll()
-        if code is None:
+        status = self._server.proc.exit_status
+        if status is None:
             return None
-        how = (f"killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else
-               f"exited with code {code}")
-        return f"the fork server (PID {self._server.pid}) ended ({how})"
+        return f"the fork server (PID {self._server.pid}) ended ({status})"
 
     def stop(self, now=False):
         try:

@@ -505,7 +505,6 @@ def library_modules(names):
             continue
         path = os.path.realpath(path)
         parts = path.split(os.sep)
-        if "site-packages" in parts or "dist-packages" in parts or \
-                (path.startswith(stdlib) and "site-packages" not in parts):
+        if "site-packages" in parts or "dist-packages" in parts or path.startswith(stdlib):
             found.add(top)
     return sorted(found)

@@ -89,6 +89,9 @@ class Process:
     def pid(self) -> int: ...
     def poll(self) -> Optional[int]:
         """None while it runs, else its return code (minus the signal that killed it)."""
+    @property
+    def exit_status(self) -> Optional[Any]:
+        """None while it runs, else how it ended (an _ExitStatus: str() says it)."""
     def wait(self, timeout: Optional[float] = ...) -> Optional[int]:
         """Its return code, or None when it still runs after `timeout` seconds."""
     def kill(self) -> None: ...

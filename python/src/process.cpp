@@ -101,6 +101,8 @@ class ChildProcess {
     return std::nullopt;
   }
 
+  std::optional<fl::ExitStatus> exit_status() { return try_wait(); }
+
   std::optional<int> wait(std::optional<double> timeout) {
     if (auto s = try_wait()) return returncode(*s);
     if (!mine()) return std::nullopt;
@@ -378,6 +380,8 @@ void bind_process(py::module_& m) {
       .def_property_readonly("pidfd", &ChildProcess::pidfd)
       .def("poll", &ChildProcess::poll)
       .def_property_readonly("wait_status", &ChildProcess::status)
+      // How it ended (_ExitStatus: prints "killed by signal 9 (SIGKILL)"), None while it runs.
+      .def_property_readonly("exit_status", &ChildProcess::exit_status)
       .def("wait", &ChildProcess::wait, py::arg("timeout") = py::none())
       .def("signal", &ChildProcess::signal, py::arg("sig"))
       .def("kill", [](ChildProcess& p) { p.signal(SIGKILL); });

@@ -8,7 +8,6 @@
 
 Skipped where accelerate is not installed (Debian's torch 1.13.1: accelerate 1.x needs torch 2).
 """
-import importlib.util
 import json
 import os
 import re
@@ -17,12 +16,9 @@ import sys
 
 import pytest
 
-if importlib.util.find_spec("accelerate") is None:
-    pytest.skip("accelerate is not installed under this interpreter (Debian's torch 1.13: "
-                "accelerate 1.x needs torch 2); the matrix runs on the torch 2.14 venv",
-                allow_module_level=True)
+import accelerate_matrix as matrix
 
-import accelerate_matrix as matrix  # noqa: E402
+matrix.skip_module_without_accelerate()
 
 VERSIONS = matrix.pinned_versions()
 NEWEST = VERSIONS[-1]
