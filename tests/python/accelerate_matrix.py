@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import random
 import re
 import select
 import signal
@@ -92,8 +93,27 @@ def pythonpath(acc: Accelerate) -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+    """A port free now, below the kernel's ephemeral range (ip_local_port_range). A port from
+    bind(("", 0)) is in that range, where any socket bound to port 0 (gloo's, torch's store
+    clients', other tests') may take it between this pick and the launcher's listen: seen as
+    EADDRINUSE in a fresh clone's make test, beside the other tests. Below the range only an
+    explicit pick can take it. torch's and accelerate's fixed defaults (29400, 29500) are
+    avoided."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    picks = random.Random()
+    for _ in range(500) if low > 12000 else ():
+        port = picks.randrange(10000, low)
+        if 29000 <= port < 30000:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no room below the range here: the kernel's pick
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 
