@@ -24,7 +24,7 @@ import sys as _sys
 
 from . import _native
 from . import _guard, _torch_compat
-from ._guard import DirtyForkWarning, RerouteError, guard, unguard
+from ._guard import DirtyForkWarning, NotCarriedError, RerouteError, guard, unguard
 from ._accelerate import notebook_launcher
 from ._launch import RankError, default_preload, notebook_launch, start_server, stop_server
 from ._loader import ImageLoader
@@ -35,16 +35,27 @@ __version__ = _native.__version__
 
 __all__ = [
     "CudaInWorkerError", "CudaInWorkerWarning", "DLTensor", "DataError", "DataLoader", "DirtyForkWarning", "Error", "Evidence", "ForkUnsafeError",
-    "ImageLoader", "LoaderTimeoutError", "ProbeError", "ProbeResult", "RankError", "RerouteError",
+    "ImageLoader", "LoaderTimeoutError", "NotCarriedError", "ProbeError", "ProbeResult", "RankError", "RerouteError",
     "WorkerError", "default_preload", "ensure_fork_safe", "guard", "notebook_launch",
     "notebook_launcher", "probe", "start_server", "stop_server", "unguard",
 ]
 
 # forkguard's own Python fork server (_server.py) imports this package to preload it, or from
 # FORKGUARD_GUARD's start-up hook (forkguard-guard.pth): no C++ fork server, guard or torch check
-# there (its children are forks of it).
-_in_server = _os.path.basename(getattr(_sys, "argv", None) and _sys.argv[0] or "").startswith(
-    "_server")
+# there (its children are forks of it). It is told by the script it runs being this package's
+# own _server.py (the same file), not by a name a user's script could also have.
+def _runs_our_server() -> bool:
+    argv = getattr(_sys, "argv", None)
+    if not argv or not argv[0]:
+        return False
+    ours = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "_server.py")
+    try:
+        return _os.path.samefile(argv[0], ours)
+    except OSError:
+        return False
+
+
+_in_server = _runs_our_server()
 
 if not _os.environ.get("FORKGUARD_NO_FORK_SERVER") and not _in_server:
     _native.start_fork_server()

@@ -6,13 +6,16 @@
 
 At each start of a fork-method Process (the default context on Linux, get_context("fork"),
 torch.multiprocessing, DataLoader workers, Pool and ProcessPoolExecutor workers) the fast probe
-asks whether this process is fork-safe. Fork-safe: the plain fork, exactly as without the guard.
+asks whether this process is fork-safe: CUDA initialized, torch's fork poison, a live GNU OpenMP
+thread pool (a forked child hangs at its first parallel op) make it not. Fork-safe: the plain fork, exactly as without the guard.
 Not fork-safe, by policy:
   reroute  the child is forked by the interpreter fork server notebook_launch uses (a freshly
-           executed interpreter, CUDA-clean), prepared as multiprocessing's spawn and forkserver
-           children are; the Process travels by value (cloudpickle), multiprocessing's objects in
-           its arguments as the forkserver passes them (fds over SCM_RIGHTS, semaphores by name),
-           the __main__ globals it refers to with this process's values (_guard_reroute.py);
+           executed interpreter, clean of CUDA and of thread pools) and keeps a fork child's
+           semantics: the script is not run again; the Process travels by value (cloudpickle),
+           multiprocessing's objects in its arguments as the forkserver passes them (fds over
+           SCM_RIGHTS, semaphores by name), the __main__ globals it refers to and __main__'s
+           functions and classes with this process's values; one that cannot travel raises
+           NotCarriedError in the child, naming it, at its first use (_guard_reroute.py);
   refuse   ForkUnsafeError with the evidence and the cures, before any child exists;
   warn     one warning with the evidence, then the plain fork.
 Under the guard a dirty os.fork() (which cannot be rerouted without changing its meaning) is
@@ -60,13 +63,19 @@ class RerouteError(ForkUnsafeError):
         self.result = result
 
 
+class NotCarriedError(Error):
+    """Raised in a rerouted child at the first use of a __main__ global of its parent that could
+    not reach it (it cannot be pickled, or could not be rebuilt there): the message names it and
+    why. A forked child would have shared it."""
+
+
 _seen_dirty = False  # CUDA, once initialized here, stays so: semaphores need not ask again
 
 
 def _dirty() -> Optional[ProbeResult]:
-    """The probe when this process is not fork-safe: CUDA initialized (the driver's state), or
+    """The probe when this process is not fork-safe: CUDA initialized (the driver's state),
     torch's fork poison registered (torch.cuda.is_available() on a CUDA build, even without a GPU:
-    its children would be in torch's bad fork)."""
+    its children would be in torch's bad fork), or a live GNU OpenMP pool (they would hang)."""
     global _seen_dirty
     result = probe_if_fork_unsafe()
     if result is None:
@@ -75,11 +84,15 @@ def _dirty() -> Optional[ProbeResult]:
     return result
 
 
-def _failure(result: ProbeResult) -> str:
-    """How a plain fork child of this process fails: the driver's error, or torch's."""
+def _failure(result: ProbeResult, whose: str = "its") -> str:
+    """How a plain fork child of this process fails: the driver's error, torch's, or a hang."""
+    if result.verdict == "openmp_pool":
+        return ("the child hangs at its first parallel CPU op: GNU OpenMP's thread pool, alive "
+                "here, does not survive fork")
     if result.verdict in _torch_fork.SUMMARIES:
-        return "torch's \"Cannot re-initialize CUDA in forked subprocess\": torch's fork poison"
-    return "CUDA_ERROR_NOT_INITIALIZED = 3"
+        return (f"{whose} CUDA calls will fail (torch's \"Cannot re-initialize CUDA in forked "
+                "subprocess\": torch's fork poison)")
+    return f"{whose} CUDA calls will fail (CUDA_ERROR_NOT_INITIALIZED = 3)"
 
 
 def _evidence_lines(result: ProbeResult, n: int = 3):
@@ -113,8 +126,8 @@ def _guarded_popen(process_obj):
             frame = _caller_frame()
             warnings.warn_explicit(
                 "\n".join([f"forkguard.guard(): starting {process_obj.name} with a plain fork, "
-                           f"but this process (PID {dirty.pid}) is {dirty.verdict}: its CUDA "
-                           f"calls will fail ({_failure(dirty)})."]
+                           f"but this process (PID {dirty.pid}) is {dirty.verdict}: "
+                           f"{_failure(dirty)}."]
                           + _evidence_lines(dirty)), DirtyForkWarning,
                 frame.f_code.co_filename if frame else "<unknown>",
                 frame.f_lineno if frame else 0)
@@ -165,10 +178,11 @@ def _before_os_fork():
     _said.add("os.fork")
     frame = sys._getframe(1)
     where = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame else "an unknown line"
+    failure = _failure(dirty, "the child's")
     warnings.warn_explicit(
         "\n".join([f"forkguard.guard(): os.fork() at {where} in a process (PID {dirty.pid}) that "
-                   f"is {dirty.verdict}: the child's CUDA calls will fail "
-                   f"({_failure(dirty)}); os.fork() is not rerouted."]
+                   f"is {dirty.verdict}: {failure}; "
+                   "os.fork() is not rerouted."]
                   + _evidence_lines(dirty)),
         DirtyForkWarning, frame.f_code.co_filename if frame else "<unknown>",
         frame.f_lineno if frame else 0)

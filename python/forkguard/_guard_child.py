@@ -11,12 +11,15 @@
 # each a pickle and the indexes of its out-of-band buffers ("buffers": offset, size, read-only in
 # the memfd before the offset, mapped copy-on-write): multiprocessing's preparation data, the
 # caller's environment, the caller's values of __main__ globals ("main": [(name, part)], in the
-# order they are installed), the Process object. The child prepares itself as multiprocessing's
-# spawn and forkserver children do (spawn.prepare: sys.path, argv, cwd, authkey, start method,
-# the caller's __main__ as __mp_main__; a fresh __main__ when the caller's has no file), installs
-# the __main__ globals over it, finds ``inherited`` where a forkserver child finds its fds, uses
-# the caller's resource tracker (tracker_w) as a spawn child does, and runs Process._bootstrap
-# with parent_alive_r as its parent sentinel. It keeps sentinel_w open until it exits, so the
+# order they are installed), the Process object; and, plain, the __main__ globals that could not
+# be pickled ("not_carried": [(name, why)]). The child prepares itself as multiprocessing's spawn
+# and forkserver children do (spawn.prepare: sys.path, argv, cwd, authkey, start method) but for
+# __main__: not the caller's script run again, as spawn would, but a fresh module holding the
+# caller's values (a fork child's semantics: _fresh_main), where a global that did not travel
+# names itself at its first use (_NotCarried). It finds ``inherited`` where a forkserver child
+# finds its fds, uses the caller's resource tracker (tracker_w) as a spawn child does, and runs
+# Process._bootstrap with parent_alive_r as its parent sentinel, exit handlers as a forked child
+# of this Python runs them (_python_compat). It keeps sentinel_w open until it exits, so the
 # caller's Process.sentinel turns readable then, as for a fork.
 # It stays in the caller's process group (Ctrl-C reaches it as it reaches a forked child) and
 # dies with the fork server (PR_SET_PDEATHSIG), which exits when the caller does.
@@ -77,27 +80,24 @@ def _child_main(fds):
         os.environ.update(environ)
         multiprocessing.forkserver._forkserver._inherited_fds = inherited
         process.current_process()._inheriting = True
-        # The caller's __main__ importing forkguard starts no C++ fork server here: this
-        # child is a multiprocessing child, as a fork of the caller would be.
-        os.environ.setdefault("FORKGUARD_NO_FORK_SERVER", "1")
         try:
             main_name = prep.pop("init_main_from_name", None)
             main_path = prep.pop("init_main_from_path", None)
             spawn.prepare(prep)
-            _import_main(main_name, main_path)
-            if "FORKGUARD_NO_FORK_SERVER" not in environ:
-                del os.environ["FORKGUARD_NO_FORK_SERVER"]
-            main = vars(sys.modules["__main__"])
+            main = _fresh_main(main_name, main_path)
             for name, part in payload.get("main", ()):
                 try:
                     main[name] = load(part)
-                except Exception:  # noqa: BLE001 - as in spawn: the child's own import's value
-                    pass
+                except Exception as e:  # noqa: BLE001 - named where the child uses it
+                    main[name] = _NotCarried(name, f"its value could not be rebuilt here: "
+                                                   f"{type(e).__name__}: {e}")
+            for name, why in payload.get("not_carried", ()):
+                main[name] = _NotCarried(name, why)
             self = load(payload["process"])
         finally:
             del process.current_process()._inheriting
         del payload, buffers
-        code = self._bootstrap(parent_sentinel=parent_alive_r)
+        code = _bootstrap(self, parent_alive_r)
     except BaseException:  # noqa: BLE001 - the child's setup failed: say so on its stderr
         try:
             import traceback
@@ -114,36 +114,77 @@ def _child_main(fds):
         os._exit(code)
 
 
-def _import_main(name, path):
-    """The caller's __main__ imported as __mp_main__, as spawn.prepare does (by module name or
-    by path; not a package's __main__, nor ipython's script, whose code is main-only), but run in
-    the module's own namespace: spawn runs it in a temporary one and copies that into the
-    module, so its functions' globals are not the module's, and a value given to the module (the
-    caller's, by _child_main) would not be what they read. Without a file (a notebook, python -c)
-    a fresh __mp_main__ holds what the caller sends of its __main__."""
+def _fresh_main(name, path):
+    """The child's __main__: a fresh module standing for the caller's, never executed. A fork
+    child has its parent's __main__; this one gets the caller's values of the globals it refers
+    to (installed by _child_main). Running the script again, as spawn does, would run its top
+    level in every child: a fork-style script without ``if __name__ == "__main__":`` would start
+    children from its children, and whatever it does before its fork (load data, train) would
+    happen again; a script read from stdin, ``python -c`` and a notebook have no file to run.
+    The module keeps the caller's file name (tracebacks, a spawn grandchild's preparation)."""
     import types
 
-    main = types.ModuleType("__mp_main__")
+    main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = __builtins__
-    code = None
-    if name is not None and name != "__main__" and not name.endswith(".__main__"):
+    if name is not None:
         import importlib.util
 
-        spec = importlib.util.find_spec(name)
-        code = spec.loader.get_code(name)
-        main.__dict__.update(__spec__=spec, __file__=spec.origin, __cached__=spec.cached,
-                             __loader__=spec.loader, __package__=spec.parent)
-    elif path is not None and os.path.splitext(os.path.basename(path))[0] != "ipython":
-        import io
-
-        with io.open_code(path) as f:
-            code = compile(f.read(), path, "exec")
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None:
+            main.__dict__.update(__spec__=spec, __file__=spec.origin, __cached__=spec.cached,
+                                 __loader__=spec.loader, __package__=spec.parent)
+    elif path is not None:
         main.__dict__.update(__spec__=None, __file__=path, __cached__=None, __loader__=None,
-                             __package__="")
-    sys.modules["__mp_main__"] = main  # as runpy has it while the code runs
-    if code is not None:
-        exec(code, main.__dict__)
-    sys.modules["__main__"] = main
+                             __package__=None)
+    sys.modules["__main__"] = sys.modules["__mp_main__"] = main
+    return main.__dict__
+
+
+def _not_carried_error(message):
+    try:
+        from forkguard._guard import NotCarriedError
+    except Exception:  # noqa: BLE001 - the package cannot be imported here: a plain one
+        return RuntimeError(message)
+    return NotCarriedError(message)
+
+
+class _NotCarried:
+    """Stands for a __main__ global of the caller that did not reach this child: any use of it
+    raises forkguard.NotCarriedError naming it and why (where a fork would have shared it)."""
+
+    __slots__ = ("_fg_message",)
+
+    def __init__(self, name, why):
+        object.__setattr__(self, "_fg_message", (
+            f"__main__.{name} did not reach this child (PID {os.getpid()}), which "
+            f"forkguard.guard() started from its clean fork server instead of a fork: {why}. "
+            "A forked child would have shared it; make it picklable, or create it in the child "
+            "(in the Process's target, or a Pool's initializer)"))
+
+    def _fail(self, *args, **kwargs):
+        raise _not_carried_error(object.__getattribute__(self, "_fg_message"))
+
+    def __getattr__(self, attr):
+        self._fail()
+
+    def __repr__(self):
+        return f"<not carried: {object.__getattribute__(self, '_fg_message')}>"
+
+    __setattr__ = __delattr__ = __call__ = __iter__ = __len__ = __getitem__ = _fail
+    __setitem__ = __delitem__ = __contains__ = __enter__ = __bool__ = __index__ = _fail
+    __int__ = __float__ = __add__ = __sub__ = __mul__ = __truediv__ = __eq__ = _fail
+    __hash__ = None
+
+
+def _bootstrap(process_obj, parent_sentinel):
+    """Process._bootstrap as a forked child runs it, whatever the Python (see
+    forkguard._python_compat)."""
+    from forkguard import _python_compat
+
+    return _python_compat.bootstrap_child(process_obj, parent_sentinel)
 
 
 def _mapped(fd, table):

@@ -10,14 +10,15 @@ resource tracker is this process's, which a spawn child shares too (a SharedMemo
 attaches to stays its creator's to unlink).
 The server reports the child's exit status; the Popen below reads it from there.
 
-__main__ in the child is what a spawn child has (the script imported by path as __mp_main__, or
-a fresh module when __main__ has no file) with, over it, this process's values of the __main__
-globals the Process refers to (and, without a file, all of __main__'s functions and classes), as
-a fork would see them. They are one name each (``_main_state``): a function of __main__ runs with
-the child's __main__ as its globals, and what the Process holds of __main__ by name travels by
+__main__ in the child is a fresh module standing for this one, never executed (a fork child does
+not run the script again; _guard_child._fresh_main), holding this process's values of the
+__main__ globals the Process refers to and of all of __main__'s functions and classes, as a fork
+would see them. They are one name each (``_main_state``): a function of __main__ runs with the
+child's __main__ as its globals, and what the Process holds of __main__ by name travels by
 reference to it, so the child's __main__.X is the X it was given (an initializer's global is the
 tasks' global; an instance of a __main__ class pickles again in the child). A value that cannot
-travel, or cannot be rebuilt in the child, is left to the child's own import, as under spawn.
+travel, or cannot be rebuilt in the child, is a stand-in there that raises NotCarriedError,
+naming it and why, at its first use.
 
 The payload: large buffers (numpy arrays: ``_OUT_OF_BAND``) first, each at a page boundary, then
 one plain pickle of the parts, each a pickle and the indexes of its buffers; the child maps the
@@ -166,12 +167,14 @@ def _main_definitions(main):
 
 
 def _main_state(main, names, process):
-    """[(name, _Pickled)]: the __main__ globals ``names`` and those they refer to, each by value,
-    in an order where what one refers to by name is installed before it. What cannot be pickled
-    is left to the child's import of __main__, as in spawn, but for an error as it was when it
-    travelled inside the Process: a function or class the Process refers to by name, or an
-    unnamed semaphore (_CannotTravel) the Process refers to or its functions read."""
+    """([(name, _Pickled)], [(name, why)]): the __main__ globals ``names`` and those they refer
+    to, each by value, in an order where what one refers to by name is installed before it; and
+    those that cannot be pickled, with why: the child gets a stand-in that names it at its first
+    use (_guard_child._NotCarried). An error here, as it was when it travelled inside the Process:
+    a function or class the Process refers to by name, or an unnamed semaphore (_CannotTravel)
+    the Process refers to or its functions read."""
     pickled = {}
+    why = {}
     todo = sorted(names, reverse=True)
     while todo:
         name = todo.pop()
@@ -180,16 +183,16 @@ def _main_state(main, names, process):
         value = vars(main)[name]
         try:
             pickled[name] = part = _Pickled(value, main, root=value)
-        except _CannotTravel:
+        except _CannotTravel as e:
             if name in process.names:
                 raise
-            pickled[name] = None
+            pickled[name], why[name] = None, str(e)
             continue
-        except Exception as e:  # noqa: BLE001 - left to the child's import, but as said above
+        except Exception as e:  # noqa: BLE001 - named in the child, but as said above
             if name in process.refs:
                 raise _CannotTravel(f"__main__.{name} cannot be pickled by value: "
                                     f"{type(e).__name__}: {e}") from e
-            pickled[name] = None
+            pickled[name], why[name] = None, f"it cannot be pickled: {type(e).__name__}: {e}"
             continue
         todo.extend(sorted(part.names - pickled.keys(), reverse=True))
     order, placed = [], set()
@@ -207,12 +210,14 @@ def _main_state(main, names, process):
             else:
                 placed.add(dep)
                 stack.append((dep, iter(sorted(pickled[dep].names if pickled[dep] else ()))))
-    return [(name, pickled[name]) for name in order if pickled[name] is not None]
+    return ([(name, pickled[name]) for name in order if pickled[name] is not None],
+            sorted(why.items()))
 
 
-def _write_payload(fd, parts):
-    """Writes ``parts`` ({key: _Pickled or [(name, _Pickled)]}) to the memfd: the buffers from
-    offset 0, each page-aligned, then the parts' pickle, where the fd's offset is left."""
+def _write_payload(fd, parts, **plain):
+    """Writes ``parts`` ({key: _Pickled or [(name, _Pickled)]}) and ``plain`` (plain data) to the
+    memfd: the buffers from offset 0, each page-aligned, then the parts' pickle, where the fd's
+    offset is left."""
     table, offset = [], 0
 
     def place(part):
@@ -229,7 +234,7 @@ def _write_payload(fd, parts):
 
     out = {key: [(name, place(p)) for name, p in part] if isinstance(part, list) else place(part)
            for key, part in parts.items()}
-    out["buffers"] = table
+    out.update(plain, buffers=table)
     data = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
     done = 0
     while done < len(data):
@@ -262,12 +267,14 @@ class ReroutedPopen:
         context.set_spawning_popen(self)
         try:
             parts = {"prep": _Pickled(prep), "environ": _Pickled(dict(os.environ))}
+            not_carried = []
             parts["process"] = _Pickled(process_obj, main)
             if main is not None:
-                names = set(parts["process"].names)
-                if "init_main_from_path" not in prep and "init_main_from_name" not in prep:
-                    names |= _main_definitions(main)
-                parts["main"] = _main_state(main, names, parts["process"])
+                # The child's __main__ is not the script run again (_guard_child._fresh_main):
+                # what the Process refers to, and every function and class of __main__ (what a
+                # Queue's items name by reference), reach it by value.
+                names = parts["process"].names | _main_definitions(main)
+                parts["main"], not_carried = _main_state(main, names, parts["process"])
         except _CannotTravel as e:
             raise RerouteError(dirty, process_obj.name, str(e)) from None
         except Exception as e:  # noqa: BLE001 - converted: the message names what failed
@@ -280,7 +287,7 @@ class ReroutedPopen:
         sentinel_r, sentinel_w = os.pipe()
         alive_r, alive_w = os.pipe()
         try:
-            _write_payload(memfd, parts)
+            _write_payload(memfd, parts, not_carried=not_carried)
             del parts
             with _launch._lock:
                 server = _server()

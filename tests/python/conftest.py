@@ -173,3 +173,31 @@ def in_private_shm(cmd, listing, options="size=1g"):
             '"$@"; rc=$?; for i in $(seq 100); do '
             'pgrep -s 0 -f "forkguard/[_]server.py" >/dev/null || break; sleep 0.05; '
             f'done; ls -A /dev/shm > {listing}; exit $rc', "sh", *cmd]
+
+
+@pytest.fixture()
+def guarded_site_python(tmp_path):
+    """A Python whose site-packages holds forkguard's start-up hook (forkguard-guard.pth) and a
+    path entry to the build's package, as an installed forkguard has them: a venv over this
+    interpreter (its own packages too, after the build's: the torch venv's). FORKGUARD_GUARD set,
+    every script it runs is guarded without importing forkguard; unset, nothing is imported."""
+    import site
+
+    import forkguard
+
+    build_python = os.path.dirname(os.path.dirname(os.path.abspath(forkguard.__file__)))
+    hook = os.path.join(build_python, "forkguard-guard.pth")
+    assert os.path.exists(hook), "the build places the start-up hook beside the package"
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
+                    str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    site_packages = subprocess.run(
+        [python, "-c", "import site; print(site.getsitepackages()[0])"], check=True,
+        capture_output=True, text=True, timeout=60).stdout.strip()
+    paths = [build_python] + [p for p in site.getsitepackages() if os.path.isdir(p)]
+    with open(os.path.join(site_packages, "forkguard-build.pth"), "w") as f:
+        f.write("\n".join(paths) + "\n")
+    with open(hook) as src, open(os.path.join(site_packages, "forkguard-guard.pth"), "w") as f:
+        f.write(src.read())
+    return python

@@ -419,12 +419,14 @@ def test_reroute_child_puts_main_class_instances_and_maps_main_functions(script)
     assert "PicklingError" not in out.stderr, out.stderr
 
 
-def test_reroute_a_main_global_that_cannot_be_rebuilt_in_the_child_is_its_own(script):
-    # A __main__ global that a spawn child would build for itself (its import of the script),
-    # but whose parent's value cannot be rebuilt in the child, is the child's own value there:
-    # the child runs, as under spawn, instead of failing before its target and leaving the
-    # parent's get() waiting forever.
+def test_reroute_a_main_global_that_cannot_travel_is_named_at_its_first_use_in_the_child(script):
+    # The child is not the script run again (spawn's way): a __main__ global whose parent's value
+    # cannot be pickled, or cannot be rebuilt in the child, has no value of the child's own to
+    # fall back on. Its first use raises NotCarriedError naming it and why; what did travel works,
+    # and the parent's get() does not wait forever.
     out = script("""
+        import sqlite3
+
         def _rebuild(pid):
             if os.getpid() != pid:
                 raise RuntimeError("only in the process that made it")
@@ -438,9 +440,16 @@ def test_reroute_a_main_global_that_cannot_be_rebuilt_in_the_child_is_its_own(sc
                 return _rebuild, (self.pid,)
 
         HANDLE = Handle()
+        DB = sqlite3.connect(":memory:")
+        FINE = 41
 
         def work(q):
-            q.put((HANDLE.pid == os.getpid(), cuinit()))
+            q.put(("fine", FINE + 1))
+            for what, use in (("HANDLE", lambda: HANDLE.pid), ("DB", lambda: DB.execute("1"))):
+                try:
+                    use()
+                except forkguard.NotCarriedError as e:
+                    q.put((what, str(e)))
 
         if __name__ == "__main__":
             cuinit()
@@ -449,10 +458,77 @@ def test_reroute_a_main_global_that_cannot_be_rebuilt_in_the_child_is_its_own(sc
             p = mp.Process(target=work, args=(q,))
             p.start()
             p.join()
-            print("child", None if q.empty() else q.get())
+            while not q.empty():
+                print("child", q.get())
             print("exit", p.exitcode)
     """)
-    assert "child (True, 0)" in out.stdout and "exit 0" in out.stdout, out.stdout + out.stderr
+    assert "child ('fine', 42)" in out.stdout and "exit 0" in out.stdout, out.stdout + out.stderr
+    assert ("__main__.HANDLE did not reach this child" in out.stdout and
+            "could not be rebuilt here: RuntimeError: only in the process that made it"
+            in out.stdout), out.stdout
+    assert "__main__.DB did not reach this child" in out.stdout and "sqlite3.Connection" in \
+        out.stdout, out.stdout
+
+
+def test_reroute_keeps_fork_semantics_the_script_is_not_run_again(script, tmp_path):
+    # A fork-style script (no `if __name__ == "__main__":`) whose top level does work before it
+    # starts children: a rerouted child must not run it again, as spawn's children do (each would
+    # count, load, and start children of its own: "An attempt has been made to start a new
+    # process before the current process has finished its bootstrapping phase").
+    runs = tmp_path / "top-level-runs"
+    out = script(f"""
+        with open({str(runs)!r}, "a") as f:
+            f.write("run\\n")
+        TABLE = {{"loaded": os.getpid()}}
+
+        def work(q, i):
+            q.put((i, TABLE["loaded"], __name__))
+
+        cuinit()
+        forkguard.guard()
+        q = mp.SimpleQueue()
+        ps = [mp.Process(target=work, args=(q, i)) for i in range(2)]
+        for p in ps:
+            p.start()
+        for p in ps:
+            p.join()
+        got = sorted(q.get() for _ in ps)
+        print("got", [(i, loaded == os.getpid(), name) for i, loaded, name in got])
+        print("exits", [p.exitcode for p in ps])
+    """)
+    assert "got [(0, True, '__main__'), (1, True, '__main__')]" in out.stdout, \
+        out.stdout + out.stderr
+    assert "exits [0, 0]" in out.stdout, out.stdout + out.stderr
+    assert runs.read_text() == "run\n"
+    assert "bootstrapping phase" not in out.stderr, out.stderr
+
+
+def test_reroute_a_script_from_standard_input_and_python_c(script, fake_cuda_env, tmp_path):
+    # No file to run again: a rerouted child of `python - < script` (it failed with
+    # FileNotFoundError: '<stdin>') or of `python -c` gets __main__'s values all the same.
+    body = PRELUDE + textwrap.dedent("""
+        SCALE = 3
+
+        def work(q):
+            q.put(SCALE * cuinit() + SCALE)
+
+        cuinit()
+        forkguard.guard()
+        q = mp.SimpleQueue()
+        p = mp.Process(target=work, args=(q,))
+        p.start()
+        p.join()
+        print("got", q.get(), "exit", p.exitcode)
+    """)
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(forkguard.__file__)))
+    env = dict(os.environ, PYTHONPATH=package_parent)
+    for how in (dict(args=["-"], input=body), dict(args=["-c", body], input="")):
+        out = subprocess.run([sys.executable, *how["args"]], input=how["input"],
+                             capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+                             start_new_session=True)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "got 3 exit 0" in out.stdout, out.stdout + out.stderr
+        assert "FileNotFoundError" not in out.stderr, out.stderr
 
 
 def test_reroute_a_large_main_global_is_not_copied_in_the_parent(script):
@@ -754,30 +830,15 @@ def test_importing_the_cli_module_keeps_forkguard_guard_callable():
     assert forkguard._guard.guarded() is None
 
 
+@pytest.mark.parametrize("script_name", ["plain.py", "_server_train.py"])
 def test_the_environment_variable_guards_a_script_that_never_imports_forkguard(
-        fake_cuda_env, tmp_path):
-    # forkguard installed in a site-packages directory (here a venv over this interpreter, its
-    # site-packages given the build's start-up hook and a path entry to the build's package):
-    # FORKGUARD_GUARD=reroute guards unchanged code; unset, forkguard is not even imported.
-    build_python = os.path.dirname(os.path.dirname(os.path.abspath(forkguard.__file__)))
-    hook = os.path.join(build_python, "forkguard-guard.pth")
-    assert os.path.exists(hook), "the build places the start-up hook beside the package"
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
-                    str(venv)], check=True, timeout=120)
-    python = str(venv / "bin" / "python")
-    site_packages = subprocess.run(
-        [python, "-c", "import site; print(site.getsitepackages()[0])"], check=True,
-        capture_output=True, text=True, timeout=60).stdout.strip()
-    import site
-
-    # This interpreter's own packages too (the torch venv's cloudpickle), after the build's.
-    paths = [build_python] + [p for p in site.getsitepackages() if os.path.isdir(p)]
-    with open(os.path.join(site_packages, "forkguard-build.pth"), "w") as f:
-        f.write("\n".join(paths) + "\n")
-    with open(hook) as src, open(os.path.join(site_packages, "forkguard-guard.pth"), "w") as f:
-        f.write(src.read())
-    script = tmp_path / "plain.py"
+        fake_cuda_env, tmp_path, guarded_site_python, script_name):
+    # forkguard installed in a site-packages directory (conftest.guarded_site_python):
+    # FORKGUARD_GUARD=reroute guards unchanged code; unset, forkguard is not even imported. A
+    # script whose name begins with "_server" is guarded too (forkguard took it for its own fork
+    # server by that name, and guarded nothing).
+    python = guarded_site_python
+    script = tmp_path / script_name
     script.write_text(textwrap.dedent("""
         import ctypes, os, sys
         import multiprocessing as mp
@@ -946,3 +1007,36 @@ def test_reroute_a_stale_handle_never_signals_the_process_that_got_its_pid(fake_
     assert "decoy has its PID True" in out.stdout
     assert "sent False" in out.stdout
     assert "decoy alive" in out.stdout
+
+
+def test_a_rerouted_childs_exit_handlers_run_as_python_3_13_needs(tmp_path):
+    # Python 3.13 no longer flushes a child's Queue from Process._bootstrap (util._exit_function
+    # moved to the forking code's atexit): a rerouted child's item was lost there (queue.Empty, 3
+    # leaked semaphores). The rerouted child runs _python_compat.bootstrap_child; here its 3.13
+    # path runs on this Python, in a hand-made fork child, and the item arrives.
+    script = tmp_path / "exit_handlers.py"
+    script.write_text(textwrap.dedent("""
+        import os, queue
+        import multiprocessing as mp
+        from forkguard import _python_compat
+
+        def put(q):
+            q.put("delivered")
+
+        if __name__ == "__main__":
+            q = mp.Queue()
+            p = mp.Process(target=put, args=(q,))
+            pid = os.fork()
+            if pid == 0:
+                os._exit(_python_compat.bootstrap_child(p, None, runs_exit_function=False))
+            _, status = os.waitpid(pid, 0)
+            try:
+                print(q.get(timeout=30), os.waitstatus_to_exitcode(status))
+            except queue.Empty:
+                print("lost", os.waitstatus_to_exitcode(status))
+    """))
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(forkguard.__file__)))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, PYTHONPATH=package_parent))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["delivered", "0"], out.stdout + out.stderr
