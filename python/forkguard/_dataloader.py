@@ -462,9 +462,15 @@ def _start_method(loader):
         return "server", "a worker of this loader tried CUDA in a fork", None
     if choice == "server":
         return "server", why, None
-    dirty = probe_if_fork_unsafe()  # the driver's state, then torch's fork poison
+    dirty = probe_if_fork_unsafe()  # the driver's state, torch's fork poison, thread pools
     if dirty is None:
         return "fork", why if choice == "fork" else "this process is fork-safe", None
+    if dirty.verdict == "openmp_pool":
+        # A live GNU OpenMP pool hangs a forked child at its first parallel region with more
+        # than one thread; a worker runs torch with one (torch.set_num_threads(1) before any
+        # user code, as torch's own workers), so it never waits for the parent's pool.
+        return "fork", (f"this process (PID {os.getpid()}) has a live GNU OpenMP pool; the "
+                        "workers run torch with one thread"), None
     state = f"this process (PID {os.getpid()}) is {dirty.verdict}"
     watch = {"driver": dirty.verdict not in _torch_fork.SUMMARIES, "reroute": choice == "auto"}
     unwatched = _native.cuda_tripwire_unavailable() if watch["driver"] else ""

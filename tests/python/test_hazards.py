@@ -252,3 +252,33 @@ def test_lightning_ddp_notebook_of_a_script_without_a_main_guard_after_is_availa
     assert rc == 0, (out, err)
     assert "bootstrapping phase" not in err, err
     assert "ranks ['rank0', 'rank1'] ['False', 'False']" in out, (out, err)
+
+
+DATALOADER = f"""
+import sys, time, torch
+import forkguard
+
+class Sums(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return (torch.randn(2_000_000) + i).sum() * 0 + i  # a parallel op, were threads > 1
+
+{PARALLEL_OP}
+loader = forkguard.DataLoader(Sums(), batch_size=2, num_workers=2)
+it = iter(loader)
+print("batches", [b.tolist() for b in it], flush=True)
+print("why", it._why, flush=True)
+"""
+
+
+def test_dataloader_workers_after_a_parallel_op_fork_and_run(tmp_path):
+    # Its workers run torch with one thread (as torch's own): forked, they never wait for the
+    # parent's pool, so the loader keeps fork's cost and delivers every batch.
+    rc, out, err = run(tmp_path, DATALOADER, timeout=300)
+    assert rc == 0, (out, err)
+    assert "batches [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]" in out, (out, err)
+    assert "clean fork server" not in err, err
+    if "GNU OpenMP" not in out:  # no pool under this torch (Debian's 1.13): fork-safe
+        assert "why this process is fork-safe" in out, out
