@@ -1,4 +1,5 @@
-"""forkguard.probe(): this process's (or another's) CUDA state, and ensure_fork_safe()."""
+"""forkguard.probe(): this process's (or another's) CUDA state and other fork hazards (a live GNU
+OpenMP pool), and ensure_fork_safe()."""
 from __future__ import annotations
 
 import os
@@ -9,8 +10,10 @@ from ._native import Error
 
 
 class Evidence(NamedTuple):
-    """One observation: ``kind`` (library_mapped, device_file_open, driver_thread, ...),
-    ``detail`` (what was seen) and ``source`` (where: /proc/PID/fd/7, dl_iterate_phdr, ...)."""
+    """One observation: ``kind`` (library_mapped, device_file_open, driver_thread, openmp_pool,
+    live_thread, ...), ``detail`` (what was seen) and ``source`` (where: /proc/PID/fd/7,
+    dl_iterate_phdr, /proc/PID/task/*/syscall, ...). live_thread entries (other threads, with the
+    library each is blocked in) are a note only: they never make fork unsafe."""
 
     kind: str
     detail: str
@@ -19,10 +22,12 @@ class Evidence(NamedTuple):
 
 class ProbeResult:
     """The probe's answer: ``verdict`` (clean, driver_loaded, nvml_open: fork is safe;
-    initialized, context_active, poisoned: it is not; for this process also torch's own flag:
-    torch_fork_poisoned, torch_bad_fork: not safe either), ``fork_safe``, ``evidence``,
-    ``notes`` (what could not be checked), ``summary`` and ``cures`` (the doctor's advice),
-    ``pid``."""
+    initialized, context_active, poisoned: it is not; openmp_pool: GNU OpenMP's thread pool is
+    live, so a forked child hangs at its first parallel CPU op (given where CUDA's verdict is
+    fork-safe; otherwise CUDA's stands and the pool is evidence); for this process also torch's
+    own flag: torch_fork_poisoned, torch_bad_fork: not safe either), ``fork_safe``,
+    ``evidence``, ``notes`` (what could not be checked), ``summary`` and ``cures`` (the doctor's
+    advice), ``pid``."""
 
     def __init__(self, native, torch: Optional[_torch_fork.TorchForkState] = None):
         self.pid: int = native.pid
@@ -33,6 +38,8 @@ class ProbeResult:
         self.notes: List[str] = list(native.notes)
         self.summary: str = native.summary
         self.cures: List[str] = list(native.cures)
+        if self.verdict == OPENMP_POOL:  # what decided first
+            self.evidence.sort(key=lambda e: e.kind != OPENMP_POOL)
         if torch is not None:
             self._add_torch(torch)
 
@@ -41,17 +48,21 @@ class ProbeResult:
         verdict stands when it is already unsafe; torch's evidence is added either way."""
         evidence = [Evidence(*e) for e in torch.evidence]
         self.notes += torch.notes
-        if torch.verdict is None or not self.fork_safe:
+        # A live OpenMP pool is the verdict only while CUDA is fork-safe: torch's poison, a CUDA
+        # state, comes first (the pool stays in the evidence and its cures).
+        cuda_unsafe = not self.fork_safe and self.verdict != OPENMP_POOL
+        if torch.verdict is None or cuda_unsafe:
             self.evidence += evidence
         else:
             self.evidence = evidence + self.evidence  # what decided first
         if torch.verdict is None:
             return
-        if self.fork_safe:
+        if not cuda_unsafe:
             self.verdict = torch.verdict
             self.fork_safe = False
             self.summary = _torch_fork.SUMMARIES[torch.verdict]
-            self.cures = list(_torch_fork.CURES)
+            self.cures = list(_torch_fork.CURES) + [c for c in self.cures
+                                                    if c not in _torch_fork.CURES]
         else:
             self.cures += [c for c in _torch_fork.CURES if c not in self.cures]
 
@@ -85,12 +96,30 @@ PYTHON_CURES = [
 ]
 
 
+# The cures for a live GNU OpenMP pool, in Python's words (the doctor's follow them).
+OPENMP_CURES = [
+    "torch.set_num_threads(1) (or OMP_NUM_THREADS=1 in the environment) before the first "
+    "parallel CPU op of a process that will fork: one thread starts no pool",
+    "multiprocessing.get_context('spawn') or 'forkserver' instead of fork",
+    "forkguard.guard(): forks that would hang are rerouted (or refused) with the evidence",
+]
+
+OPENMP_POOL = "openmp_pool"
+
+
 class ForkUnsafeError(Error):
-    """This process holds CUDA state: a fork()ed child could not use CUDA.
+    """This process holds state a fork()ed child cannot use: CUDA's (the child could not use
+    CUDA) or a live GNU OpenMP pool (the child hangs at its first parallel CPU op).
     ``result`` is the ProbeResult; the message lists the evidence and the cures."""
 
     def __init__(self, result: ProbeResult):
-        if result.verdict in _torch_fork.SUMMARIES:
+        cures = PYTHON_CURES + result.cures
+        if result.verdict == OPENMP_POOL:
+            why = ("; a forked child hangs at its first parallel CPU op (GNU OpenMP's thread pool "
+                   "does not survive fork: the child waits for ever for workers it does not "
+                   "have), with no error and no GPU involved.")
+            cures = OPENMP_CURES + [c for c in result.cures if c not in OPENMP_CURES]
+        elif result.verdict in _torch_fork.SUMMARIES:
             why = (f"; {result.summary[0].lower()}{result.summary[1:]}"
                    if result.verdict == _torch_fork.BAD_FORK else
                    ": torch's fork poison is registered here (torch's flag, not the driver's), "
@@ -104,16 +133,19 @@ class ForkUnsafeError(Error):
                  f"{result.verdict}{why}", "evidence:"]
         lines += [f"  - {e.kind}: {e.detail} [{e.source}]" for e in result.evidence]
         lines.append("cures:")
-        lines += [f"  - {c}" for c in PYTHON_CURES + result.cures]
+        lines += [f"  - {c}" for c in cures]
         super().__init__("\n".join(lines))
         self.result = result
 
 
 def probe(pid: Optional[int] = None) -> ProbeResult:
-    """The CUDA state of this process, or of ``pid``. Never initializes CUDA: it reads /proc,
-    the loaded libraries, and asks the driver only calls that initialize nothing. For this
+    """The CUDA state of this process, or of ``pid``, and its other fork hazards. Never
+    initializes CUDA: it reads /proc, the loaded libraries, and asks the driver only calls that
+    initialize nothing. A live GNU OpenMP pool (torch's CPU ops after one parallel op, unless
+    torch.set_num_threads(1) / OMP_NUM_THREADS=1) is verdict openmp_pool, not fork-safe. For this
     process it also reads torch's own fork poison (torch_fork_poison, torch_bad_fork evidence);
-    for another process that flag cannot be seen (a note says so where libtorch_cuda is mapped)."""
+    for another process that flag cannot be seen (a note says so where libtorch_cuda is mapped),
+    nor the OpenMP pool where its threads cannot be read (a note)."""
     if pid is not None and pid != os.getpid():
         return ProbeResult(_native.probe(pid))
     return ProbeResult(_native.probe(None), _torch_fork.state())
@@ -121,7 +153,8 @@ def probe(pid: Optional[int] = None) -> ProbeResult:
 
 def probe_if_fork_unsafe() -> Optional[ProbeResult]:
     """None when this process is fork-safe, else its probe: the fast check at each start (the
-    native one, microseconds without a driver; then torch's flag, a byte read once resolved)."""
+    native one, microseconds without a driver or libgomp, tens of microseconds reading the
+    threads where libgomp is mapped; then torch's flag, a byte read once resolved)."""
     native = _native.probe_if_fork_unsafe()
     if native is not None:
         return ProbeResult(native, _torch_fork.state())

@@ -50,4 +50,40 @@ bool cuda_driver_mapped() {
   return found;
 }
 
+bool is_gnu_openmp_library(std::string_view path) {
+  return basename_of(path).substr(0, 7) == "libgomp";
+}
+
+ForkHazardLibraries fork_hazard_libraries() {
+  ForkHazardLibraries found;
+  ::dl_iterate_phdr(
+      [](dl_phdr_info* info, size_t, void* data) -> int {
+        auto* f = static_cast<ForkHazardLibraries*>(data);
+        if (info->dlpi_name == nullptr) return 0;
+        const auto base = basename_of(info->dlpi_name);  // once, for both prefixes
+        if (base.substr(0, 10) == "libcuda.so") f->cuda_driver = true;
+        if (base.substr(0, 7) == "libgomp") f->gnu_openmp = true;
+        return f->cuda_driver && f->gnu_openmp ? 1 : 0;
+      },
+      &found);
+  return found;
+}
+
+std::vector<CodeRange> gnu_openmp_code() {
+  std::vector<CodeRange> out;
+  ::dl_iterate_phdr(
+      [](dl_phdr_info* info, size_t, void* data) -> int {
+        if (info->dlpi_name == nullptr || !is_gnu_openmp_library(info->dlpi_name)) return 0;
+        for (ElfW(Half) i = 0; i < info->dlpi_phnum; ++i) {
+          const auto& ph = info->dlpi_phdr[i];
+          if (ph.p_type != PT_LOAD || (ph.p_flags & PF_X) == 0) continue;
+          const std::uintptr_t start = info->dlpi_addr + ph.p_vaddr;
+          static_cast<std::vector<CodeRange>*>(data)->push_back({start, start + ph.p_memsz});
+        }
+        return 0;
+      },
+      &out);
+  return out;
+}
+
 }  // namespace forkguard::detail

@@ -22,6 +22,14 @@ constexpr const char* kNvmlCure =
     "NVML instead of initializing the driver.";
 constexpr const char* kLoaderCure =
     "Keep data-loader workers CPU-only and move batches to the GPU in the main training loop.";
+constexpr const char* kOpenMpThreadsCure =
+    "In a process that will fork, keep GNU OpenMP to one thread before its first parallel CPU op: "
+    "OMP_NUM_THREADS=1 in its environment, or torch.set_num_threads(1) (torch's DataLoader "
+    "workers do this themselves).";
+constexpr const char* kOpenMpStartCure =
+    "Start the children by spawn or a fork server started before the first parallel op: "
+    "`forkguard run --start-method spawn|forkserver`, multiprocessing.get_context(\"spawn\") / "
+    "\"forkserver\", or forkguard.guard() in Python, which reroutes such forks.";
 
 std::string summary_of(const probe::CudaState& s) {
   switch (s.verdict) {
@@ -49,6 +57,10 @@ std::string summary_of(const probe::CudaState& s) {
           "This process was forked from a parent (PID {}) that had initialized CUDA: every CUDA "
           "call here fails with CUDA_ERROR_NOT_INITIALIZED (\"initialization error\").",
           s.parent_pid);
+    case Verdict::kOpenMpPool:
+      return "GNU OpenMP's thread pool is live in this process: a child fork()ed from it hangs "
+             "for ever at its first parallel region (a parallel CPU op: torch's matmul, conv, "
+             "large elementwise ops), because libgomp's workers do not survive fork.";
   }
   return {};
 }
@@ -67,8 +79,27 @@ std::vector<std::string> advice_for(Verdict v) {
           "This process cannot be repaired: restart it by spawn (fork+exec) or from a fork "
           "server started before CUDA was initialized.",
           kSpawnCure, kMoveCure, kNvmlCure, kLoaderCure};
+    case Verdict::kOpenMpPool: return {kOpenMpThreadsCure, kOpenMpStartCure};
   }
   return {};
+}
+
+std::vector<std::string> advice_for(const probe::CudaState& s) {
+  auto advice = advice_for(s.verdict);
+  if (s.verdict != Verdict::kOpenMpPool && s.has(probe::EvidenceKind::kOpenMpPool)) {
+    advice.emplace_back(kOpenMpThreadsCure);  // a second hazard beside CUDA's
+  }
+  return advice;
+}
+
+bool safety_unknown(const probe::CudaState& s) {
+  return s.fork_safe && !s.unseen_hazards.empty();
+}
+
+std::string joined(const std::vector<std::string>& parts, std::string_view sep) {
+  std::string out;
+  for (const auto& p : parts) out += (out.empty() ? "" : std::string(sep)) + p;
+  return out;
 }
 
 std::optional<std::string> target_visible_devices(const probe::CudaState& s) {
@@ -100,7 +131,7 @@ std::string cuda_version(int v) {
 Report diagnose(probe::CudaState state, const Options& options) {
   Report r;
   r.summary = summary_of(state);
-  r.advice = advice_for(state.verdict);
+  r.advice = advice_for(state);
   if (options.environment) {
     r.environment_checked = true;
     r.gpus = cuda::discover_gpus();
@@ -114,7 +145,8 @@ Report diagnose(probe::CudaState state, const Options& options) {
 }
 
 int exit_code(const Report& r) {
-  return r.state.fork_safe ? kExitForkSafe : kExitForkUnsafe;
+  if (!r.state.fork_safe) return kExitForkUnsafe;
+  return safety_unknown(r.state) ? kExitForkUnknown : kExitForkSafe;
 }
 
 std::string to_text(const Report& r) {
@@ -122,10 +154,18 @@ std::string to_text(const Report& r) {
   std::string out;
   Lines line{out};
   line("forkguard doctor: PID {} (parent {})", s.pid, s.parent_pid);
-  line("verdict: {} (fork {})", probe::to_string(s.verdict), s.fork_safe ? "safe" : "UNSAFE");
-  line("  {}", r.summary);
+  if (safety_unknown(s)) {
+    line("verdict: {} (fork safety unknown: {})", probe::to_string(s.verdict),
+         joined(s.unseen_hazards, "; "));
+    line("  {} (So far as can be seen from here: the notes say what cannot.)", r.summary);
+  } else {
+    line("verdict: {} (fork {})", probe::to_string(s.verdict), s.fork_safe ? "safe" : "UNSAFE");
+    line("  {}", r.summary);
+  }
   line("evidence:");
-  if (s.evidence.empty()) line("  none: no CUDA library, device file, driver thread or variable");
+  if (s.evidence.empty()) {
+    line("  none: no CUDA library, device file, driver thread, OpenMP pool, thread or variable");
+  }
   for (const auto& e : s.evidence) {
     line("  - {:<18} {}  [{}]", probe::to_string(e.kind), e.detail, e.source);
   }
@@ -176,6 +216,10 @@ std::string to_json(const Report& r) {
       {"parent_pid", s.parent_pid},
       {"verdict", probe::to_string(s.verdict)},
       {"fork_safe", s.fork_safe},
+      {"fork_safety", !s.fork_safe        ? "unsafe"
+                      : safety_unknown(s) ? "unknown"
+                                          : "safe"},
+      {"unseen_hazards", s.unseen_hazards},
       {"summary", r.summary},
       {"evidence", evidence},
       {"notes", s.notes},

@@ -1,6 +1,7 @@
 #include "forkguard/probe/cuda_state.hpp"
 
 #include <fmt/format.h>
+#include <strings.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <string_view>
 
 #include "detail/loaded_libraries.hpp"
@@ -72,10 +74,34 @@ bool is_driver_thread(std::string_view comm) {
   return comm.substr(0, 5) == "cuda-";
 }
 
+// Whether GNU OpenMP's idle workers spin for ever instead of blocking, as libgomp reads its
+// environment (case-insensitive): OMP_WAIT_POLICY=active, GOMP_SPINCOUNT=infinite|infinity.
+bool openmp_spins_for_ever(const std::function<std::optional<std::string>(const char*)>& env) {
+  auto is = [](const std::optional<std::string>& v, const char* word) {
+    return v && ::strncasecmp(v->c_str(), word, std::strlen(word)) == 0;
+  };
+  const auto spin = env("GOMP_SPINCOUNT");
+  return is(env("OMP_WAIT_POLICY"), "active") || is(spin, "infinite") || is(spin, "infinity");
+}
+
+std::optional<std::string> self_env(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? std::optional<std::string>(v) : std::nullopt;
+}
+
+// The threads a fork would leave behind: all but the calling one (self) or the main one (another
+// PID, whose fork is most likely its main thread's), and not CUDA's driver threads.
+pid_t forking_thread(pid_t pid, bool is_self) {
+  return is_self ? static_cast<pid_t>(::gettid()) : pid;
+}
+
 constexpr std::array<std::string_view, 8> kRelevantEnvironment = {
     "CUDA_VISIBLE_DEVICES",   "PYTORCH_NVML_BASED_CUDA_CHECK", "CUDA_DEVICE_ORDER",
     "NVIDIA_VISIBLE_DEVICES", "CUDA_MODULE_LOADING",           "CUDA_LAUNCH_BLOCKING",
     "FORKGUARD_CUDA_DRIVER",  "FORKGUARD_NVML_LIBRARY"};
+// ... and where GNU OpenMP is mapped.
+constexpr std::array<std::string_view, 3> kOpenMpEnvironment = {
+    "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"};
 
 // What was seen, before it is turned into a verdict.
 struct Facts {
@@ -92,6 +118,9 @@ struct Facts {
   bool driver_answered = false;
   bool driver_initialized = false;
   bool context_active = false;
+  // GNU OpenMP
+  bool openmp_mapped = false;
+  bool openmp_pool = false;  // workers seen blocked in libgomp, or spinning for ever
 };
 
 // cuInit's mark without its threads: a process in the middle of cuInit, or the child of an
@@ -162,13 +191,17 @@ class Prober {
           "context state of another process is inferred from its GPU device-file mappings");
     }
     state_.verdict = decide(facts_);
+    state_.fork_safe = is_fork_safe(state_.verdict);
+    if (state_.fork_safe && facts_.openmp_pool) {
+      state_.verdict = Verdict::kOpenMpPool;
+      state_.fork_safe = false;
+    }
     if (init_files_without_threads(facts_)) {
       state_.notes.push_back(
           "nvidia-uvm is open but the CUDA driver's threads are not running and no initialized "
           "parent shares these device files (kcmp): cuInit is in progress here, or the process "
           "that initialized CUDA before a fork is gone; counted as initialized, not poisoned");
     }
-    state_.fork_safe = is_fork_safe(state_.verdict);
     if (!is_self_ && state_.fork_safe && facts_.torch_cuda_mapped) {
       // torch's flag is a byte in libtorch_python's memory, not in /proc (docs/probe.md).
       state_.notes.push_back(
@@ -178,6 +211,9 @@ class Prober {
           "puts every later fork child in a bad fork (\"Cannot re-initialize CUDA in forked "
           "subprocess\" at its first CUDA use), even with no GPU or driver; forkguard.probe() "
           "called inside that Python process reads it (evidence torch_fork_poison)");
+      state_.unseen_hazards.push_back(
+          "torch's own fork poison (libtorch_cuda.so is mapped) is not visible from another "
+          "process");
     }
     return std::move(state_);
   }
@@ -220,12 +256,18 @@ class Prober {
 
   void libraries(detail::ProcReadError& err) {
     // Mappings are read for every process: they also show device files mapped by contexts.
-    auto maps = must(state_.pid, detail::mapped_paths(state_.pid, &err), err);
+    auto maps = must(state_.pid, detail::maps_of(state_.pid, &err), err);
+    code_ = std::move(maps.exec);
+    for (const auto& m : code_) {
+      if (!forkguard::detail::is_gnu_openmp_library(m.path)) continue;
+      facts_.openmp_mapped = true;
+      if (openmp_library_.empty()) openmp_library_ = m.path;
+    }
     if (is_self_) {
       for (const auto& lib : forkguard::detail::loaded_libraries()) library(lib, "dl_iterate_phdr");
     }
     std::vector<std::string> seen;
-    for (const auto& path : maps) {
+    for (const auto& path : maps.paths) {
       if (std::find(seen.begin(), seen.end(), path) != seen.end()) continue;
       seen.push_back(path);
       if (!is_self_) library(path, proc("maps"));
@@ -249,18 +291,23 @@ class Prober {
   }
 
   void threads(detail::ProcReadError& err) {
-    auto names = detail::thread_names(state_.pid, &err);
-    if (!names) {
+    auto list = detail::threads_of(state_.pid, &err);
+    if (!list) {
       state_.notes.push_back(
           fmt::format("threads not checked: {}: {}", err.path, std::strerror(err.err)));
+      if (facts_.openmp_mapped) {
+        state_.unseen_hazards.push_back(
+            fmt::format("whether GNU OpenMP's thread pool is live ({} is mapped; {}: {})",
+                        openmp_library_, err.path, std::strerror(err.err)));
+      }
       return;
     }
     int count = 0;
     std::string which;
-    for (const auto& n : *names) {
-      if (!is_driver_thread(n)) continue;
+    for (const auto& t : *list) {
+      if (!is_driver_thread(t.comm)) continue;
       ++count;
-      if (which.find(n) == std::string::npos) which += (which.empty() ? "" : ", ") + n;
+      if (which.find(t.comm) == std::string::npos) which += (which.empty() ? "" : ", ") + t.comm;
     }
     if (count > 0) {
       facts_.driver_threads = true;
@@ -268,6 +315,158 @@ class Prober {
           fmt::format("{} CUDA driver thread{} ({})", count, count == 1 ? "" : "s", which),
           proc("task"));
     }
+    other_threads(*list);
+  }
+
+  // The file whose code holds `pc` ("" when none: anonymous or JIT code).
+  std::string code_at(std::uintptr_t pc) const {
+    for (const auto& m : code_) {
+      if (pc >= m.start && pc < m.end) return m.path;
+    }
+    return {};
+  }
+
+  // Where the threads a fork leaves behind are (their syscall files): GNU OpenMP's workers
+  // blocked in libgomp make the pool evidence; the others are live_thread evidence, a note only.
+  void other_threads(const std::vector<detail::Thread>& list) {
+    const pid_t forking = forking_thread(state_.pid, is_self_);
+    std::vector<const detail::Thread*> others;
+    std::vector<pid_t> tids;
+    for (const auto& t : list) {
+      if (t.tid == forking || is_driver_thread(t.comm)) continue;
+      others.push_back(&t);
+      tids.push_back(t.tid);
+    }
+    if (others.empty()) return;
+    int rounds = 0;
+    const auto states = detail::thread_states(state_.pid, tids, facts_.openmp_mapped, &rounds);
+    std::vector<pid_t> workers, running;
+    const detail::ThreadState* unreadable = nullptr;
+    for (const auto& st : states) {
+      if (!st.syscall) {
+        if (unreadable == nullptr) unreadable = &st;
+      } else if (st.syscall->running) {
+        running.push_back(st.tid);
+      } else if (forkguard::detail::is_gnu_openmp_library(code_at(st.syscall->pc))) {
+        workers.push_back(st.tid);
+      }
+    }
+    const std::string syscalls = fmt::format("/proc/{}/task/*/syscall", state_.pid);
+    if (!workers.empty()) {
+      facts_.openmp_pool = true;
+      add(EvidenceKind::kOpenMpPool,
+          fmt::format("{} GNU OpenMP worker thread{} (TID{} {}) blocked in {}: a child fork()ed "
+                      "from here hangs at its first parallel region",
+                      workers.size(), plural(workers.size()), plural(workers.size()),
+                      tid_list(workers), openmp_library_),
+          syscalls);
+    }
+    bool running_are_pool = false;
+    if (facts_.openmp_mapped && !running.empty() && workers.empty()) {
+      running_are_pool = spinning(running, rounds, syscalls);
+    }
+    if (facts_.openmp_mapped && unreadable != nullptr && !facts_.openmp_pool) {
+      const auto why =
+          fmt::format("{}: {}", unreadable->error.path, std::strerror(unreadable->error.err));
+      state_.notes.push_back(fmt::format(
+          "GNU OpenMP's thread pool not checked: {} (a thread's syscall file needs ptrace access "
+          "to the process: run as root, or as its parent where ptrace is restricted)",
+          why));
+      state_.unseen_hazards.push_back(fmt::format(
+          "whether GNU OpenMP's thread pool is live ({} is mapped; {})", openmp_library_, why));
+    }
+    live_threads(others, states, running_are_pool);
+  }
+
+  // The threads neither CUDA's nor GNU OpenMP's pool: the first kMaxListed as evidence, and a note.
+  void live_threads(const std::vector<const detail::Thread*>& others,
+                    const std::vector<detail::ThreadState>& states, bool running_are_pool) {
+    constexpr size_t kMaxListed = 8;
+    size_t live = 0;
+    for (size_t i = 0; i < others.size(); ++i) {
+      const auto& t = *others[i];
+      const auto& st = states[i];
+      std::string where;
+      if (!st.syscall) {
+        where = fmt::format("(where it is blocked unknown: {})", std::strerror(st.error.err));
+      } else if (st.syscall->running) {
+        if (running_are_pool) continue;
+        where = "running";
+      } else {
+        const std::string lib = code_at(st.syscall->pc);
+        if (forkguard::detail::is_gnu_openmp_library(lib)) continue;
+        where = lib.empty() ? fmt::format("blocked at {:#x} (no file's code)", st.syscall->pc)
+                            : fmt::format("blocked in {}", basename_of(lib));
+      }
+      if (++live > kMaxListed) continue;
+      add(EvidenceKind::kLiveThread, fmt::format("thread {} '{}' {}", t.tid, t.comm, where),
+          fmt::format("/proc/{}/task/{}/syscall", state_.pid, t.tid));
+    }
+    if (live > kMaxListed) {
+      add(EvidenceKind::kLiveThread, fmt::format("and {} more threads", live - kMaxListed),
+          proc("task"));
+    }
+    if (live > 0) {
+      state_.notes.push_back(fmt::format(
+          "{} other thread{} live besides the {} thread (live_thread): a fork()ed child gets none "
+          "of them, and a lock one holds at the fork stays held in the child; not counted "
+          "against fork safety",
+          live, live == 1 ? " is" : "s are", is_self_ ? "calling" : "main"));
+    }
+  }
+
+  // Threads still running after the re-reads, with libgomp mapped: GNU OpenMP's workers where its
+  // environment makes them spin for ever (true), otherwise unknown (a note; false).
+  bool spinning(const std::vector<pid_t>& running, int rounds, const std::string& source) {
+    const auto n = running.size();
+    if (openmp_spins_for_ever([this](const char* name) { return environment_value(name); })) {
+      facts_.openmp_pool = true;
+      add(EvidenceKind::kOpenMpPool,
+          fmt::format("{} thread{} running (TID{} {}) with {} mapped and its workers set to spin "
+                      "for ever (OMP_WAIT_POLICY=active or GOMP_SPINCOUNT=infinite): taken for a "
+                      "GNU OpenMP pool; a child fork()ed from here hangs at its first parallel "
+                      "region",
+                      n, plural(n), plural(n), tid_list(running), openmp_library_),
+          source);
+      return true;
+    }
+    state_.notes.push_back(fmt::format(
+        "{} thread{} still running after {} re-reads {} ms apart, with {} mapped: if they are GNU "
+        "OpenMP workers still spinning after a parallel region (GOMP_SPINCOUNT), a fork()ed child "
+        "would hang at its first parallel region; probe again once they are idle",
+        n, n == 1 ? " is" : "s are", rounds, detail::kSettlePauseMs, openmp_library_));
+    state_.unseen_hazards.push_back(
+        fmt::format("whether {} running thread{} (TID{} {}) belong to "
+                    "a GNU OpenMP pool",
+                    n, plural(n), plural(n), tid_list(running)));
+    return false;
+  }
+
+  static const char* plural(size_t n) { return n == 1 ? "" : "s"; }
+
+  static std::string tid_list(const std::vector<pid_t>& tids, size_t max = 8) {
+    std::string out;
+    for (size_t i = 0; i < tids.size() && i < max; ++i) {
+      out += (out.empty() ? "" : ", ") + std::to_string(tids[i]);
+    }
+    if (tids.size() > max) out += fmt::format(" and {} more", tids.size() - max);
+    return out;
+  }
+
+  // A variable of the probed process: getenv (self) or /proc/PID/environ (read once).
+  std::optional<std::string> environment_value(const char* name) {
+    if (is_self_) return self_env(name);
+    if (!environ_) {
+      detail::ProcReadError err;
+      environ_ = detail::environment_of(state_.pid, &err).value_or(std::vector<std::string>{});
+    }
+    const std::string_view key(name);
+    for (const auto& kv : *environ_) {
+      if (kv.size() > key.size() && kv.compare(0, key.size(), key) == 0 && kv[key.size()] == '=') {
+        return kv.substr(key.size() + 1);
+      }
+    }
+    return std::nullopt;
   }
 
   // Device-file descriptions shared with the parent: the signature of a forked child. Proof of
@@ -387,39 +586,62 @@ class Prober {
   }
 
   void environment() {
-    std::vector<std::string> vars;
+    std::vector<std::string_view> names(kRelevantEnvironment.begin(), kRelevantEnvironment.end());
+    if (facts_.openmp_mapped)
+      names.insert(names.end(), kOpenMpEnvironment.begin(), kOpenMpEnvironment.end());
     std::string source = "environment";
-    if (is_self_) {
-      for (auto name : kRelevantEnvironment) {
-        if (const char* v = std::getenv(std::string(name).c_str())) {
-          vars.push_back(fmt::format("{}={}", name, v));
-        }
-      }
-    } else {
+    if (!is_self_) {
       detail::ProcReadError err;
-      auto env = detail::environment_of(state_.pid, &err);
-      if (!env) {
+      environ_ = detail::environment_of(state_.pid, &err);
+      if (!environ_) {
         state_.notes.push_back(
             fmt::format("environment not read: {}: {}", err.path, std::strerror(err.err)));
+        environ_.emplace();
         return;
       }
       source = proc("environ");
-      for (const auto& kv : *env) {
-        for (auto name : kRelevantEnvironment) {
-          if (kv.size() > name.size() && kv.compare(0, name.size(), name) == 0 &&
-              kv[name.size()] == '=') {
-            vars.push_back(kv);
-          }
-        }
+    }
+    for (auto name : names) {
+      if (auto v = environment_value(std::string(name).c_str())) {
+        add(EvidenceKind::kEnvironment, fmt::format("{}={}", name, *v), source);
       }
     }
-    for (auto& v : vars) add(EvidenceKind::kEnvironment, std::move(v), source);
   }
 
   bool is_self_;
   CudaState state_;
   Facts facts_;
+  std::vector<detail::ExecMapping> code_;  // executable mappings of files, from /proc/PID/maps
+  std::string openmp_library_;             // the libgomp mapped, when one is
+  std::optional<std::vector<std::string>> environ_;  // another PID's, once read
 };
+
+// The fast path's look at the threads, with libgomp mapped and no CUDA driver: whether any thread
+// but this one is blocked in libgomp's code (from dl_iterate_phdr: /proc/self/maps is not read),
+// or runs where GNU OpenMP's workers spin for ever. true also when the threads cannot be listed
+// or read, so that self() says what it can.
+bool openmp_pool_suspected() {
+  const pid_t me = ::getpid();
+  detail::ProcReadError err;
+  auto tids = detail::thread_ids(me, &err);
+  if (!tids) return true;
+  const pid_t caller = forking_thread(me, true);
+  tids->erase(std::remove(tids->begin(), tids->end(), caller), tids->end());
+  if (tids->empty()) return false;
+  const auto code = forkguard::detail::gnu_openmp_code();
+  bool running = false;
+  for (const auto& t : detail::thread_states(me, *tids, true)) {
+    if (!t.syscall) return true;
+    if (t.syscall->running) {
+      running = true;
+      continue;
+    }
+    for (const auto& c : code) {
+      if (t.syscall->pc >= c.start && t.syscall->pc < c.end) return true;
+    }
+  }
+  return running && openmp_spins_for_ever(self_env);
+}
 
 }  // namespace
 
@@ -436,7 +658,8 @@ CudaState self() {
 }
 
 std::optional<CudaState> self_if_fork_unsafe() {
-  if (!forkguard::detail::cuda_driver_mapped()) return std::nullopt;
+  const auto mapped = forkguard::detail::fork_hazard_libraries();
+  if (!mapped.cuda_driver && !(mapped.gnu_openmp && openmp_pool_suspected())) return std::nullopt;
   auto state = self();
   if (state.fork_safe) return std::nullopt;
   return state;
@@ -460,6 +683,7 @@ std::string_view to_string(Verdict v) {
     case Verdict::kInitialized: return "initialized";
     case Verdict::kContextActive: return "context_active";
     case Verdict::kPoisoned: return "poisoned";
+    case Verdict::kOpenMpPool: return "openmp_pool";
   }
   return "unknown";
 }
@@ -473,6 +697,8 @@ std::string_view to_string(EvidenceKind k) {
     case EvidenceKind::kInheritedFile: return "inherited_file";
     case EvidenceKind::kDriverState: return "driver_state";
     case EvidenceKind::kEnvironment: return "environment";
+    case EvidenceKind::kOpenMpPool: return "openmp_pool";
+    case EvidenceKind::kLiveThread: return "live_thread";
   }
   return "unknown";
 }

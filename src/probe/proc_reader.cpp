@@ -8,9 +8,12 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "detail/decimal.hpp"
@@ -70,27 +73,100 @@ std::string strip_deleted(std::string s) {
   return s;
 }
 
-std::vector<std::string> parse_maps(std::string_view text) {
-  std::vector<std::string> paths;
+namespace {
+
+// One line of /proc/PID/maps, "start-end perms offset dev inode [path]", split where it matters.
+struct MapsLine {
+  std::string_view range;
+  std::string_view perms;
+  std::string_view path;  // empty unless it starts with '/'
+};
+
+MapsLine split_maps_line(std::string_view line) {
+  MapsLine m;
+  // The path starts at the first '/' after 5 fields.
+  size_t field = 0, i = 0;
+  while (i < line.size() && field < 5) {
+    const size_t start = i;
+    while (i < line.size() && line[i] != ' ') ++i;
+    if (field == 0) m.range = line.substr(start, i - start);
+    if (field == 1) m.perms = line.substr(start, i - start);
+    while (i < line.size() && line[i] == ' ') ++i;
+    ++field;
+  }
+  if (i < line.size() && line[i] == '/') m.path = line.substr(i);
+  return m;
+}
+
+template <typename F>
+void for_each_line(std::string_view text, F&& f) {
   size_t pos = 0;
   while (pos < text.size()) {
     size_t end = text.find('\n', pos);
     if (end == std::string_view::npos) end = text.size();
-    std::string_view line = text.substr(pos, end - pos);
+    f(text.substr(pos, end - pos));
     pos = end + 1;
-    // address perms offset dev inode [path]: the path starts at the first '/' after 5 fields.
-    size_t field = 0, i = 0;
-    while (i < line.size() && field < 5) {
-      while (i < line.size() && line[i] != ' ') ++i;
-      while (i < line.size() && line[i] == ' ') ++i;
-      ++field;
-    }
-    if (i < line.size() && line[i] == '/') {
-      std::string p = strip_deleted(std::string(line.substr(i)));
-      if (paths.empty() || paths.back() != p) paths.push_back(std::move(p));
-    }
   }
+}
+
+// Hex digits, whole, in range (an optional "0x" first); nullopt otherwise.
+std::optional<std::uintptr_t> parse_hex(std::string_view s) {
+  if (s.size() > 2 && s[0] == '0' && (s[1] == 'x' || s[1] == 'X')) s.remove_prefix(2);
+  std::uintptr_t v = 0;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v, 16);
+  if (s.empty() || ec != std::errc() || end != s.data() + s.size()) return std::nullopt;
+  return v;
+}
+
+}  // namespace
+
+std::vector<std::string> parse_maps(std::string_view text) {
+  std::vector<std::string> paths;
+  for_each_line(text, [&](std::string_view line) {
+    auto m = split_maps_line(line);
+    if (m.path.empty()) return;
+    std::string p = strip_deleted(std::string(m.path));
+    if (paths.empty() || paths.back() != p) paths.push_back(std::move(p));
+  });
   return paths;
+}
+
+std::vector<ExecMapping> parse_exec_mappings(std::string_view text) {
+  std::vector<ExecMapping> out;
+  for_each_line(text, [&](std::string_view line) {
+    auto m = split_maps_line(line);
+    if (m.path.empty() || m.perms.size() < 3 || m.perms[2] != 'x') return;
+    const size_t dash = m.range.find('-');
+    if (dash == std::string_view::npos) return;
+    auto start = parse_hex(m.range.substr(0, dash));
+    auto end = parse_hex(m.range.substr(dash + 1));
+    if (!start || !end || *end <= *start) return;
+    out.push_back({*start, *end, strip_deleted(std::string(m.path))});
+  });
+  return out;
+}
+
+std::optional<ThreadSyscall> parse_syscall(std::string_view text) {
+  while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.remove_suffix(1);
+  if (text == "running") return ThreadSyscall{.running = true, .nr = -1, .pc = 0};
+  std::vector<std::string_view> fields;
+  for (size_t pos = 0; pos < text.size() && fields.size() <= 9;) {
+    size_t end = std::min(text.find(' ', pos), text.size());
+    if (end == pos) return std::nullopt;  // the kernel writes single spaces
+    fields.push_back(text.substr(pos, end - pos));
+    pos = end + 1;
+  }
+  // "NR SP PC" when blocked outside a system call (NR -1), "NR ARG1..ARG6 SP PC" inside one.
+  if (fields.size() != 3 && fields.size() != 9) return std::nullopt;
+  auto nr = forkguard::detail::parse_decimal<long>(fields[0]);
+  if (!nr || (fields.size() == 3) != (*nr < 0)) return std::nullopt;
+  std::optional<std::uintptr_t> pc;
+  for (size_t i = 1; i < fields.size(); ++i) {
+    if (fields[i].substr(0, 2) != "0x") return std::nullopt;
+    pc = parse_hex(fields[i]);
+    if (!pc) return std::nullopt;
+  }
+  return ThreadSyscall{.running = false, .nr = *nr, .pc = *pc};
 }
 
 std::optional<ProcStat> parse_stat(std::string_view text) {
@@ -146,6 +222,12 @@ std::optional<std::vector<std::string>> mapped_paths(pid_t pid, ProcReadError* e
   return parse_maps(*text);
 }
 
+std::optional<Maps> maps_of(pid_t pid, ProcReadError* error) {
+  auto text = read_file(proc_path(pid, "maps"), error);
+  if (!text) return std::nullopt;
+  return Maps{parse_maps(*text), parse_exec_mappings(*text)};
+}
+
 std::optional<std::vector<OpenFile>> open_files(pid_t pid, ProcReadError* error) {
   const std::string dir = proc_path(pid, "fd");
   auto names = list_dir(dir, error);
@@ -176,6 +258,69 @@ std::optional<std::vector<std::string>> thread_names(pid_t pid, ProcReadError* e
     names.push_back(std::move(*comm));
   }
   return names;
+}
+
+std::optional<std::vector<Thread>> threads_of(pid_t pid, ProcReadError* error) {
+  const std::string dir = proc_path(pid, "task");
+  auto tids = list_dir(dir, error);
+  if (!tids) return std::nullopt;
+  std::vector<Thread> threads;
+  for (const auto& name : *tids) {
+    auto tid = forkguard::detail::parse_decimal<pid_t>(name);
+    if (!tid) continue;
+    ProcReadError ignored;
+    auto comm = read_file(dir + "/" + name + "/comm", &ignored);
+    if (!comm) continue;  // the thread exited while we looked
+    while (!comm->empty() && comm->back() == '\n') comm->pop_back();
+    threads.push_back({*tid, std::move(*comm)});
+  }
+  return threads;
+}
+
+std::optional<std::vector<pid_t>> thread_ids(pid_t pid, ProcReadError* error) {
+  auto names = list_dir(proc_path(pid, "task"), error);
+  if (!names) return std::nullopt;
+  std::vector<pid_t> tids;
+  for (const auto& name : *names) {
+    if (auto tid = forkguard::detail::parse_decimal<pid_t>(name)) tids.push_back(*tid);
+  }
+  return tids;
+}
+
+std::vector<ThreadState> thread_states(pid_t pid, const std::vector<pid_t>& tids, bool settle,
+                                       int* rounds) {
+  std::vector<ThreadState> states;
+  states.reserve(tids.size());
+  auto is_running = [](const ThreadState& t) { return t.syscall && t.syscall->running; };
+  for (pid_t tid : tids) {
+    ThreadState t;
+    t.tid = tid;
+    t.syscall = thread_syscall(pid, tid, &t.error);
+    states.push_back(std::move(t));
+  }
+  int taken = 0;
+  while (settle && taken < kSettleRounds && std::any_of(states.begin(), states.end(), is_running)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(kSettlePauseMs));
+    ++taken;
+    for (auto& t : states) {
+      if (!is_running(t)) continue;
+      ProcReadError err;
+      auto again = thread_syscall(pid, t.tid, &err);
+      if (again) t.syscall = again;  // a thread that exited meanwhile keeps what was seen
+    }
+  }
+  if (rounds != nullptr) *rounds = taken;
+  return states;
+}
+
+std::optional<ThreadSyscall> thread_syscall(pid_t pid, pid_t tid, ProcReadError* error) {
+  const std::string path =
+      "/proc/" + std::to_string(pid) + "/task/" + std::to_string(tid) + "/syscall";
+  auto text = read_file(path, error);
+  if (!text) return std::nullopt;
+  auto s = parse_syscall(*text);
+  if (!s) *error = {EINVAL, path};
+  return s;
 }
 
 std::optional<ProcStat> stat_of(pid_t pid, ProcReadError* error) {

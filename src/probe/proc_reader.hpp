@@ -3,6 +3,7 @@
 
 #include <sys/types.h>
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -20,10 +21,59 @@ struct ProcReadError {
   std::string path;  // what failed to open
 };
 
+// An executable mapping of a file: [start, end) holds code of `path`.
+struct ExecMapping {
+  std::uintptr_t start = 0;
+  std::uintptr_t end = 0;
+  std::string path;
+};
+
+// /proc/PID/maps read once: the mapped files' paths (as parse_maps) and the executable mappings.
+struct Maps {
+  std::vector<std::string> paths;
+  std::vector<ExecMapping> exec;
+};
+
+struct Thread {
+  pid_t tid = 0;
+  std::string comm;  // /proc/PID/task/TID/comm
+};
+
+// What /proc/PID/task/TID/syscall says: the thread is on a CPU ("running"), or blocked with its
+// user-space PC (in a system call, `nr` its number, or -1 when blocked outside one).
+struct ThreadSyscall {
+  bool running = false;
+  long nr = -1;
+  std::uintptr_t pc = 0;
+};
+
 // Each returns nullopt and fills *error when the file cannot be read.
 std::optional<std::vector<std::string>> mapped_paths(pid_t pid, ProcReadError* error);
+std::optional<Maps> maps_of(pid_t pid, ProcReadError* error);
 std::optional<std::vector<OpenFile>> open_files(pid_t pid, ProcReadError* error);
 std::optional<std::vector<std::string>> thread_names(pid_t pid, ProcReadError* error);
+// The threads in /proc/PID/task, in the directory's order; one that exits while listed is left out.
+std::optional<std::vector<Thread>> threads_of(pid_t pid, ProcReadError* error);
+// The TIDs in /proc/PID/task, without reading anything of each thread.
+std::optional<std::vector<pid_t>> thread_ids(pid_t pid, ProcReadError* error);
+// Needs ptrace attach permission on `pid` (PTRACE_MODE_ATTACH): EACCES or EPERM without it.
+std::optional<ThreadSyscall> thread_syscall(pid_t pid, pid_t tid, ProcReadError* error);
+
+// One thread's /proc/PID/task/TID/syscall: `syscall` nullopt (and `error` filled) when unreadable.
+struct ThreadState {
+  pid_t tid = 0;
+  std::optional<ThreadSyscall> syscall;
+  ProcReadError error;
+};
+// Up to kSettleRounds re-reads, kSettlePauseMs apart: GNU OpenMP's idle workers spin a few
+// milliseconds after a parallel region (GOMP_SPINCOUNT; measured here: 0.05-2.2 ms) before they
+// block in a futex where their PC can be seen.
+inline constexpr int kSettleRounds = 5;
+inline constexpr int kSettlePauseMs = 2;
+// Each thread's state, in the order of `tids`. With `settle`, the threads found running are read
+// again, up to kSettleRounds times, until none runs; *rounds (if given) says how many were taken.
+std::vector<ThreadState> thread_states(pid_t pid, const std::vector<pid_t>& tids, bool settle,
+                                       int* rounds = nullptr);
 std::optional<pid_t> parent_of(pid_t pid, ProcReadError* error);
 
 // What /proc/PID/stat says of the process itself.
@@ -40,6 +90,11 @@ std::optional<std::vector<std::string>> environment_of(pid_t pid, ProcReadError*
 // The parsers behind them, on a file's text (tests/fuzz/proc_files_fuzz.cpp feeds them any bytes).
 // /proc/PID/maps: the mapped files' paths, consecutive repeats dropped, " (deleted)" stripped.
 std::vector<std::string> parse_maps(std::string_view text);
+// /proc/PID/maps: the mappings with 'x' permission that have a file path, " (deleted)" stripped.
+std::vector<ExecMapping> parse_exec_mappings(std::string_view text);
+// /proc/PID/task/TID/syscall: "running", "NR ARG1..ARG6 SP PC" or "-1 SP PC" (hex after NR);
+// nullopt when the text is none of these.
+std::optional<ThreadSyscall> parse_syscall(std::string_view text);
 // /proc/PID/stat: name, state, parent and flags (the fields after the last ')'); nullopt when
 // the text is not a stat line.
 std::optional<ProcStat> parse_stat(std::string_view text);

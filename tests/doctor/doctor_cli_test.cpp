@@ -31,6 +31,9 @@ class Doctor : public ::testing::Test {
   }
 };
 
+const std::string kOpenMpPool = FORKGUARD_HELPER_DIR "/openmp_pool";
+const std::string kTorchCudaStandIn = FORKGUARD_HELPER_DIR "/torch_stand_in/libtorch_cuda.so";
+
 std::string helper_verdict(ft::Interactive& h) {
   std::istringstream in(h.ask("probe"));
   std::string word, verdict;
@@ -146,6 +149,48 @@ TEST_F(Doctor, InitializedTextGivesEvidenceAndEveryCure) {
   }
 }
 
+// A live GNU OpenMP pool (tests/helpers/openmp_pool.cpp, Debian's libgomp): a forked child hangs.
+TEST_F(Doctor, ALiveOpenMpPoolIsForkUnsafeWithItsCures) {
+  ft::Interactive h({kOpenMpPool}, env_);
+  const auto ran = h.ask("parallel 2");
+  if (ran.rfind("error", 0) == 0) GTEST_SKIP() << "no libgomp.so.1 here: " << ran;
+  ASSERT_EQ(ran, "ran 2");
+  auto r = doctor({"--pid", std::to_string(h.pid())});
+  EXPECT_EQ(r.exit_code, 3) << r.err;
+  EXPECT_NE(r.out.find("verdict: openmp_pool (fork UNSAFE)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("hangs for ever at its first parallel region"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("- openmp_pool"), std::string::npos) << r.out;
+  for (const char* cure : {"OMP_NUM_THREADS=1", "torch.set_num_threads(1)", "--start-method"}) {
+    EXPECT_NE(r.out.find(cure), std::string::npos) << cure << "\n" << r.out;
+  }
+  auto j = doctor_json(h.pid(), 3);
+  EXPECT_EQ(j["verdict"], "openmp_pool");
+  EXPECT_EQ(j["fork_safe"], false);
+  EXPECT_EQ(j["fork_safety"], "unsafe");
+}
+
+// torch's own fork poison is a byte in the process's memory: from outside, a CUDA build of torch
+// mapped (a stand-in libtorch_cuda.so here) leaves fork safety unknown, not "safe" (it was exit 0,
+// "driver_loaded (fork safe)", for a process whose forked children fail).
+TEST_F(Doctor, ACudaBuildOfTorchMappedIsUnknownFromOutside) {
+  ft::Interactive h({kOpenMpPool}, env_);
+  ASSERT_EQ(h.ask("dlopen " + kTorchCudaStandIn), "ok");
+  auto r = doctor({"--pid", std::to_string(h.pid())});
+  EXPECT_EQ(r.exit_code, 4) << r.out << r.err;
+  EXPECT_NE(r.out.find("verdict: driver_loaded (fork safety unknown: torch's own fork poison "
+                       "(libtorch_cuda.so is mapped) is not visible from another process)"),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(r.out.find("fork safe)"), std::string::npos) << r.out;
+  auto j = doctor_json(h.pid(), 4);
+  EXPECT_EQ(j["verdict"], "driver_loaded");
+  EXPECT_EQ(j["fork_safety"], "unknown");
+  ASSERT_EQ(j["unseen_hazards"].size(), 1u) << j.dump();
+  // Its own doctor (inside the process) has nothing unseen: that one says safe or unsafe.
+  auto self = doctor({"--json"});
+  EXPECT_EQ(json::parse(self.out)["fork_safety"], "safe");
+}
+
 TEST_F(Doctor, EnvironmentListsGpusAndCallsOutVisibleDeviceMismatches) {
   ft::Interactive h({ft::kCudaStage}, [&] {
     auto env = env_;
@@ -237,6 +282,7 @@ TEST_F(Doctor, UsageErrorsAreExit2) {
   auto help = ft::run({ft::kForkguard, "doctor", "--help"});
   EXPECT_EQ(help.exit_code, 0);
   EXPECT_NE(help.out.find("--pid"), std::string::npos);
+  EXPECT_NE(help.out.find("4 fork safety unknown"), std::string::npos) << help.out;
 }
 
 // CLI11's PositiveNumber answered "abc" with the double range spelled out (308 digits).

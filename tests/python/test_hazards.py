@@ -282,3 +282,21 @@ def test_dataloader_workers_after_a_parallel_op_fork_and_run(tmp_path):
     assert "clean fork server" not in err, err
     if "GNU OpenMP" not in out:  # no pool under this torch (Debian's 1.13): fork-safe
         assert "why this process is fork-safe" in out, out
+
+
+def test_torchs_fork_poison_comes_before_the_pool_in_the_verdict(tmp_path, has_pool,
+                                                                torch_build):
+    # Both at once (the notebook seed: is_available(), then a parallel op): the verdict is the
+    # CUDA one, which decides how a DataLoader watches its workers; the pool stays in evidence.
+    if not has_pool or torch_build != "cuda":
+        pytest.skip("needs torch 2.14's poison and pool")
+    rc, out, err = run(tmp_path, f"""
+        import time, torch, forkguard
+        torch.cuda.is_available()
+        {PARALLEL_OP}
+        time.sleep(0.2)
+        r = forkguard.probe()
+        print(r.verdict, r.fork_safe, r.evidence[0].kind, "openmp_pool" in [e.kind for e in r.evidence])
+    """, timeout=300)
+    assert rc == 0, err
+    assert out.split() == ["torch_fork_poisoned", "False", "torch_fork_poison", "True"], out

@@ -219,3 +219,69 @@ def test_another_process_with_a_cuda_build_of_torch_carries_the_blind_spot_note(
     finally:
         p.stdin.close()
         p.wait()
+
+
+_OPENMP_CHILD = """
+    import json, os
+    import torch
+    import forkguard
+    from forkguard import _probe
+    before = forkguard.probe()
+    (torch.randn(2_000_000) + 1).sum()  # one parallel CPU op: GNU OpenMP starts its pool
+    after = forkguard.probe()
+    try:
+        forkguard.ensure_fork_safe()
+        message = None
+    except forkguard.ForkUnsafeError as e:
+        message = str(e)
+    with open("/proc/self/maps") as f:
+        libgomp = any(os.path.basename(line.split()[-1]).startswith("libgomp")
+                      for line in f if "/" in line)
+    print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
+                      "libgomp": libgomp, "before": before.verdict,
+                      "after": after.verdict, "safe": after.fork_safe,
+                      "evidence": [list(e) for e in after.evidence], "notes": after.notes,
+                      "fast": _probe.probe_if_fork_unsafe() is None, "message": message}))
+"""
+
+
+def _openmp_child(env: dict) -> dict:
+    """_OPENMP_CHILD's report; a variable set to None in ``env`` is removed."""
+    child_env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(_OPENMP_CHILD)],
+                         capture_output=True, text=True, timeout=300, env=child_env)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_live_openmp_pool_is_not_fork_safe(torch_build):
+    if torch_build is None:
+        pytest.skip(f"no torch under {sys.executable}")
+    r = _openmp_child({"OMP_NUM_THREADS": None, "OMP_WAIT_POLICY": None})
+    if r["threads"] == 1 or not r["libgomp"]:
+        # No pool (Debian's torch 1.13 runs one OpenMP thread on this machine): nothing changes.
+        assert r["safe"] and r["after"] == r["before"] and r["fast"], r
+        assert "openmp_pool" not in {e[0] for e in r["evidence"]}
+        pytest.skip(f"torch {r['torch']} starts no GNU OpenMP pool here ({r['threads']} thread(s), "
+                    f"libgomp mapped: {r['libgomp']}); checked that the probe says nothing of one")
+    assert r["after"] == "openmp_pool" and not r["safe"], r
+    assert r["before"] != "openmp_pool"
+    pool = [e for e in r["evidence"] if e[0] == "openmp_pool"]
+    assert pool and "libgomp" in pool[0][1] and "hangs at its first parallel region" in pool[0][1]
+    assert not r["fast"]
+    m = r["message"]
+    assert m and "a forked child hangs at its first parallel CPU op" in m, m
+    assert "GNU OpenMP's thread pool does not survive fork" in m
+    assert "Cannot re-initialize CUDA" not in m
+    for cure in ("torch.set_num_threads(1)", "OMP_NUM_THREADS=1", "spawn", "forkserver",
+                 "forkguard.guard()"):
+        assert cure in m, (cure, m)
+
+
+def test_one_openmp_thread_is_fork_safe(torch_build):
+    if torch_build is None:
+        pytest.skip(f"no torch under {sys.executable}")
+    r = _openmp_child({"OMP_NUM_THREADS": "1"})
+    assert r["threads"] == 1
+    assert r["safe"] and r["after"] == r["before"] and r["fast"] and r["message"] is None, r
+    assert "openmp_pool" not in {e[0] for e in r["evidence"]}

@@ -290,9 +290,11 @@ int main(int argc, char** argv) {
   if (wanted("doctor")) {
     doc = app.add_subcommand(
         "doctor",
-        "Tell whether a process holds CUDA driver state (is fork safe?), with the evidence and the "
-        "cure. Exit code: 0 fork-safe, 3 fork-unsafe, 2 usage or permission error, or a PID that "
-        "is no live user process (a kernel thread, a zombie).");
+        "Tell whether a process holds CUDA driver state or a live GNU OpenMP pool (is fork safe?), "
+        "with the evidence and the cure. Exit code: 0 fork-safe, 3 fork-unsafe, 4 fork safety "
+        "unknown (what --pid can see is safe, but a hazard cannot be seen from outside: torch's "
+        "own fork poison, or OpenMP's threads without ptrace access), 2 usage or permission "
+        "error, or a PID that is no live user process (a kernel thread, a zombie).");
     doc->add_option("--pid", pid, "Process to inspect (default: this doctor process itself)")
         ->check(kPidValidator);
     doc->add_flag("--json", json,

@@ -3,7 +3,11 @@
 //
 //   auto report = forkguard::doctor::diagnose(forkguard::probe::pid(1234));
 //   std::cout << forkguard::doctor::to_text(report);
-//   return forkguard::doctor::exit_code(report);   // 0 fork-safe, 3 not
+//   return forkguard::doctor::exit_code(report);   // 0 fork-safe, 3 not, 4 unknown
+//
+// "unknown" is a fork-safe verdict with hazards the probe could not see (the state's
+// unseen_hazards: from another process, torch's own fork poison, or GNU OpenMP's pool where the
+// threads' syscall files cannot be read): the verdict line says "fork safety unknown: ...".
 //
 // The environment is gathered in the calling process through NVML, which never makes fork
 // unsafe; the probed process's own CUDA_VISIBLE_DEVICES is used when it is another process.
@@ -39,10 +43,12 @@ std::string to_text(const Report& report);
 // One object, pretty-printed; bytes that are not UTF-8 (an environment value, a file name) are
 // written as U+FFFD.
 std::string to_json(const Report& report);
-int exit_code(const Report& report);  // 0 when fork is safe, 3 when it is not
+// 0 when fork is safe, 3 when it is not, 4 when what was seen is safe but a hazard was unseen.
+int exit_code(const Report& report);
 
 inline constexpr int kExitForkSafe = 0;
 inline constexpr int kExitUsage = 2;
 inline constexpr int kExitForkUnsafe = 3;
+inline constexpr int kExitForkUnknown = 4;
 
 }  // namespace forkguard::doctor

@@ -1,4 +1,5 @@
-// The probe: does a process hold CUDA driver state, and is it safe to fork it?
+// The probe: does a process hold CUDA driver state (or another runtime that fork cannot copy), and
+// is it safe to fork it?
 //
 //   auto state = forkguard::probe::self();         // this process
 //   auto other = forkguard::probe::pid(1234);      // another one (same user, or root)
@@ -16,6 +17,22 @@
 // through poisoned ancestors that share them too, up to the one that is). Device files open
 // without that proof (a process in the middle of cuInit, an orphan whose parent has exited) give
 // `initialized`, with a note.
+//
+// Fork hazards beyond CUDA (docs/probe.md, "Fork hazards beyond CUDA"), from each thread's
+// /proc/PID/task/TID/syscall (its user-space PC, mapped to the file whose code holds it):
+//   - A live GNU OpenMP pool makes fork_safe false: a thread other than the calling one (self) or
+//     the main one (another PID) blocked with its PC in libgomp's code (libgomp*.so*). A child
+//     fork()ed from such a process hangs at its first parallel region. Verdict kOpenMpPool where
+//     CUDA's verdict is fork-safe; where it is not, CUDA's verdict stands and the pool is added as
+//     evidence. Threads still running with libgomp mapped are read again (at most 5 times, 2 ms
+//     apart) to let spinning workers block; if some still run, they are taken for the pool only
+//     where the process's environment makes GNU OpenMP's workers spin for ever
+//     (OMP_WAIT_POLICY=active, GOMP_SPINCOUNT=infinite); otherwise a note and an unseen hazard.
+//   - Other live threads are evidence (kLiveThread, the first 8) and a note only: they never
+//     change fork_safe (every Jupyter kernel has some). CUDA's driver threads are kDriverThread.
+// What cannot be seen is listed in `unseen_hazards` (fork_safe stays what was seen): from another
+// process, torch's own fork poison, and the OpenMP pool where the syscall files cannot be read
+// (they need ptrace attach permission). `forkguard doctor` then says "fork safety unknown".
 //
 // Thread-safety: self() and pid() may be called from any thread concurrently.
 #pragma once
@@ -39,6 +56,8 @@ enum class Verdict {
   kInitialized,    // cuInit has succeeded here: a forked child cannot use CUDA
   kContextActive,  // and a context exists
   kPoisoned,       // forked from an initialized parent: CUDA cannot work in this process
+  // Not CUDA: only where CUDA's verdict is fork-safe.
+  kOpenMpPool,  // GNU OpenMP's thread pool is live: a forked child hangs at its first parallel op
 };
 
 enum class EvidenceKind {
@@ -49,6 +68,8 @@ enum class EvidenceKind {
   kInheritedFile,     // a device-file description shared with the parent process (kcmp)
   kDriverState,       // what the driver itself answered
   kEnvironment,       // a variable that changes how CUDA or PyTorch behaves
+  kOpenMpPool,        // GNU OpenMP worker threads blocked in libgomp (or spinning, as configured)
+  kLiveThread,        // another live thread, with the library it is blocked in: a note only
 };
 
 struct Evidence {
@@ -65,6 +86,9 @@ struct CudaState {
   bool fork_safe = true;
   std::vector<Evidence> evidence;
   std::vector<std::string> notes;  // what could not be checked, and why
+  // Hazards that could not be seen, one phrase each ("torch's own fork poison (...)"): where
+  // fork_safe is true, it is true of what was seen only, and the doctor says "unknown".
+  std::vector<std::string> unseen_hazards;
 
   bool has(EvidenceKind kind) const;
 };
@@ -84,8 +108,11 @@ class ProbeError : public Error {
 CudaState self();
 CudaState pid(pid_t pid);  // pid == getpid() gives self()
 
-// nullopt when this process is fork-safe, else self(). Answered in microseconds when no CUDA driver
-// is mapped here (the common case: every unsafe verdict needs the driver in the address space).
+// nullopt when this process is fork-safe, else self(). Answered in microseconds when neither a CUDA
+// driver nor GNU OpenMP is mapped here (the common case: every unsafe verdict needs one of them in
+// the address space). With libgomp mapped and no driver, only the threads are looked at (tens of
+// microseconds; up to 10 ms more while threads keep running), and self() is taken only when a
+// pool is seen.
 std::optional<CudaState> self_if_fork_unsafe();
 
 std::string_view to_string(Verdict verdict);
