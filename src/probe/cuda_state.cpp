@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cerrno>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -87,6 +89,35 @@ bool openmp_spins_for_ever(const std::function<std::optional<std::string>(const 
 std::optional<std::string> self_env(const char* name) {
   const char* v = std::getenv(name);
   return v ? std::optional<std::string>(v) : std::nullopt;
+}
+
+// GNU OpenMP workers of this process once seen blocked in libgomp, by (PID, TID): libgomp keeps
+// its workers for the process's life, so one found running later (spinning right after a
+// parallel region) is still the pool. Lock-free (a probe may run beside a fork); a fork child has
+// another PID, so its parent's entries never match there.
+constexpr std::size_t kRememberedWorkers = 64;
+std::array<std::atomic<std::uint64_t>, kRememberedWorkers> g_openmp_workers{};
+
+std::uint64_t worker_key(pid_t tid) {
+  return (static_cast<std::uint64_t>(static_cast<std::uint32_t>(::getpid())) << 32) |
+         static_cast<std::uint32_t>(tid);
+}
+
+void remember_openmp_worker(pid_t tid) {
+  const auto key = worker_key(tid);
+  for (auto& slot : g_openmp_workers) {
+    std::uint64_t seen = slot.load(std::memory_order_relaxed);
+    if (seen == key) return;
+    if (seen == 0 && slot.compare_exchange_strong(seen, key)) return;
+    if (seen == key) return;
+  }
+}
+
+bool remembered_openmp_worker(pid_t tid) {
+  const auto key = worker_key(tid);
+  return std::any_of(g_openmp_workers.begin(), g_openmp_workers.end(), [key](const auto& slot) {
+    return slot.load(std::memory_order_relaxed) == key;
+  });
 }
 
 // The threads a fork would leave behind: all but the calling one (self) or the main one (another
@@ -346,9 +377,14 @@ class Prober {
       if (!st.syscall) {
         if (unreadable == nullptr) unreadable = &st;
       } else if (st.syscall->running) {
-        running.push_back(st.tid);
+        if (is_self_ && remembered_openmp_worker(st.tid)) {
+          workers.push_back(st.tid);  // spinning now; seen blocked in libgomp before
+        } else {
+          running.push_back(st.tid);
+        }
       } else if (forkguard::detail::is_gnu_openmp_library(code_at(st.syscall->pc))) {
         workers.push_back(st.tid);
+        if (is_self_) remember_openmp_worker(st.tid);
       }
     }
     const std::string syscalls = fmt::format("/proc/{}/task/*/syscall", state_.pid);
@@ -390,7 +426,7 @@ class Prober {
       if (!st.syscall) {
         where = fmt::format("(where it is blocked unknown: {})", std::strerror(st.error.err));
       } else if (st.syscall->running) {
-        if (running_are_pool) continue;
+        if (running_are_pool || (is_self_ && remembered_openmp_worker(t.tid))) continue;
         where = "running";
       } else {
         const std::string lib = code_at(st.syscall->pc);
@@ -633,11 +669,15 @@ bool openmp_pool_suspected() {
   for (const auto& t : detail::thread_states(me, *tids, true)) {
     if (!t.syscall) return true;
     if (t.syscall->running) {
+      if (remembered_openmp_worker(t.tid)) return true;
       running = true;
       continue;
     }
     for (const auto& c : code) {
-      if (t.syscall->pc >= c.start && t.syscall->pc < c.end) return true;
+      if (t.syscall->pc >= c.start && t.syscall->pc < c.end) {
+        remember_openmp_worker(t.tid);
+        return true;
+      }
     }
   }
   return running && openmp_spins_for_ever(self_env);

@@ -66,9 +66,12 @@ struct ThreadState {
   ProcReadError error;
 };
 // Up to kSettleRounds re-reads, kSettlePauseMs apart: GNU OpenMP's idle workers spin a few
-// milliseconds after a parallel region (GOMP_SPINCOUNT; measured here: 0.05-2.2 ms) before they
-// block in a futex where their PC can be seen.
-inline constexpr int kSettleRounds = 5;
+// milliseconds after a parallel region (GOMP_SPINCOUNT; measured here: 0.05-2.2 ms on an idle
+// machine) before they block in a futex where their PC can be seen. On a loaded machine a
+// spinning worker gets a fraction of a core and spins longer in wall time (a 10 ms bound missed
+// the pool 2 times in 15 beside two busy loops): up to 50 ms, paid only where libgomp is mapped
+// and a thread runs.
+inline constexpr int kSettleRounds = 25;
 inline constexpr int kSettlePauseMs = 2;
 // Each thread's state, in the order of `tids`. With `settle`, the threads found running are read
 // again, up to kSettleRounds times, until none runs; *rounds (if given) says how many were taken.

@@ -167,16 +167,18 @@ std::string plural(size_t n, const char* one, const char* many) {
 
 bool Result::found() const {
   return std::any_of(events.begin(), events.end(), [](const Event& e) {
-    return e.kind == "dirty_fork" || e.kind == "poisoned_touch";
+    return e.kind == "dirty_fork" || e.kind == "poisoned_touch" || e.kind == "openmp_fork";
   });
 }
 
 std::string Result::summary() const {
   const Event* init = nullptr;
   const Event* first_fork = nullptr;
-  std::set<int> loaded, forked_children;
+  const Event* pool = nullptr;
+  const Event* first_pool_fork = nullptr;
+  std::set<int> loaded;
   std::vector<const Event*> touches;
-  size_t forks = 0;
+  size_t forks = 0, pool_forks = 0;
   for (const auto& e : events) {
     if (e.kind == "driver_loaded") loaded.insert(e.pid);
     if (e.kind == "cuda_init" && init == nullptr) init = &e;
@@ -185,38 +187,66 @@ std::string Result::summary() const {
       if (first_fork == nullptr) first_fork = &e;
     }
     if (e.kind == "poisoned_touch") touches.push_back(&e);
+    if (e.kind == "openmp_pool" && pool == nullptr) pool = &e;
+    if (e.kind == "openmp_fork") {
+      ++pool_forks;
+      if (first_pool_fork == nullptr) first_pool_fork = &e;
+    }
   }
+  const bool cuda_found = forks > 0 || !touches.empty();
   std::ostringstream s;
   s << "forkguard trace: ";
   if (!found()) {
-    s << "nothing to report: no fork after CUDA initialization";
-    if (init != nullptr) {
-      s << " (CUDA initialized in PID " << init->pid << " at " << init->site << ")";
-    } else if (!loaded.empty()) {
-      s << " (a CUDA library was loaded in " << plural(loaded.size(), "process", "processes")
-        << ", CUDA never initialized)";
+    s << "nothing to report: ";
+    if (init != nullptr || !loaded.empty() || pool == nullptr) {
+      s << "no fork after CUDA initialization";
+      if (init != nullptr) {
+        s << " (CUDA initialized in PID " << init->pid << " at " << init->site << ")";
+      } else if (!loaded.empty()) {
+        s << " (a CUDA library was loaded in " << plural(loaded.size(), "process", "processes")
+          << ", CUDA never initialized)";
+      }
+      if (pool != nullptr) s << ", ";
+    }
+    if (pool != nullptr) {
+      s << "no fork while GNU OpenMP's thread pool was alive (started in PID " << pool->pid
+        << " at " << pool->site << ")";
     }
     s << ".";
     return s.str();
   }
-  if (init != nullptr) {
-    s << "CUDA was initialized in PID " << init->pid << " at " << init->site << "; ";
-  }
-  if (first_fork != nullptr) {
-    s << "PID " << first_fork->pid << " then forked " << plural(forks, "time", "times")
-      << " (first at " << first_fork->site << ")";
-  }
-  if (!touches.empty()) {
-    s << (first_fork != nullptr ? ", and " : "") << plural(touches.size(), "child", "children")
-      << " touched CUDA where it cannot work (PID ";
-    for (size_t i = 0; i < touches.size(); ++i) {
-      s << (i ? ", " : "") << touches[i]->pid;
+  if (cuda_found) {
+    if (init != nullptr) {
+      s << "CUDA was initialized in PID " << init->pid << " at " << init->site << "; ";
     }
-    s << ", first at " << touches.front()->site << ")";
+    if (first_fork != nullptr) {
+      s << "PID " << first_fork->pid << " then forked " << plural(forks, "time", "times")
+        << " (first at " << first_fork->site << ")";
+    }
+    if (!touches.empty()) {
+      s << (first_fork != nullptr ? ", and " : "") << plural(touches.size(), "child", "children")
+        << " touched CUDA where it cannot work (PID ";
+      for (size_t i = 0; i < touches.size(); ++i) {
+        s << (i ? ", " : "") << touches[i]->pid;
+      }
+      s << ", first at " << touches.front()->site << ")";
+    }
+    s << ". Those children get CUDA_ERROR_NOT_INITIALIZED from every CUDA call: start them with "
+         "spawn or a fork server, or move the CUDA call after the fork (reports above).";
   }
-  s << ". Those children get CUDA_ERROR_NOT_INITIALIZED from every CUDA call: start them with "
-       "spawn or a fork server, or move the CUDA call after the fork (reports above). Exit code "
-    << exit_code << ".";
+  if (first_pool_fork != nullptr) {
+    if (cuda_found) s << " ";
+    if (pool != nullptr) {
+      s << "GNU OpenMP's thread pool was started in PID " << pool->pid << " at " << pool->site
+        << "; ";
+    }
+    s << "PID " << first_pool_fork->pid << " forked " << plural(pool_forks, "time", "times")
+      << " while it was alive (first at " << first_pool_fork->site
+      << "). Those children hang at their first parallel region: torch.set_num_threads(1) or "
+         "OMP_NUM_THREADS=1 before the first parallel op, or start them with spawn or a fork "
+         "server (reports above).";
+  }
+  s << " Exit code " << exit_code << ".";
   return s.str();
 }
 

@@ -31,6 +31,10 @@ const std::string kTraceLinked = FORKGUARD_HELPER_DIR "/trace_linked";
 const std::string kHelperSource = FORKGUARD_SOURCE_DIR "/tests/helpers/trace_fork.cpp";
 const std::string kPythonFork = FORKGUARD_TRACE_TEST_DIR "/python_fork.py";
 const std::string kPython = "/usr/bin/python3";
+const std::string kTraceOpenMp = FORKGUARD_HELPER_DIR "/trace_openmp";
+const std::string kOpenMpSource = FORKGUARD_SOURCE_DIR "/tests/helpers/trace_openmp.cpp";
+const std::string kPythonOpenMp = FORKGUARD_TRACE_TEST_DIR "/python_openmp.py";
+const std::string kTorchPython = FORKGUARD_TORCH_PYTHON;
 
 // The line of `source` that carries `marker` (1-based), for checking file:line in the reports.
 int line_of(const std::string& source, const std::string& marker) {
@@ -74,12 +78,13 @@ class Trace : public ::testing::Test {
     EXPECT_TRUE(ft::children_of(::getpid()).empty());
   }
 
-  ft::RunResult trace(std::vector<std::string> options, const std::vector<std::string>& command) {
+  ft::RunResult trace(std::vector<std::string> options, const std::vector<std::string>& command,
+                      std::chrono::milliseconds timeout = 60s) {
     std::vector<std::string> argv = {ft::kForkguard, "trace"};
     argv.insert(argv.end(), options.begin(), options.end());
     argv.push_back("--");
     argv.insert(argv.end(), command.begin(), command.end());
-    return ft::run(argv, env_);
+    return ft::run(argv, env_, timeout);
   }
 
   // The Python programs load the uninstrumented copy of the test driver.
@@ -346,6 +351,117 @@ TEST_F(Trace, TheLibraryChangesNothingInAProgramThatNeverTouchesCuda) {
   EXPECT_EQ(r.err, "");
 }
 
+// --- GNU OpenMP's thread pool ------------------------------------------------------------------
+
+std::string openmp_site(const std::string& function, const std::string& marker) {
+  return function + " at " + kOpenMpSource + ":" + std::to_string(line_of(kOpenMpSource, marker));
+}
+
+TEST_F(Trace, ForkWithAnOpenMpPoolNamesTheParallelCallSiteAndGnuOpenMp) {
+  auto r = trace({}, {kTraceOpenMp, "parallel", "fork-exit"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "parallel ran on 2 threads\nchild exited 0\n");
+  const std::string pool_site = openmp_site("start_openmp_pool", "trace-test: parallel site");
+  const std::string fork_site = openmp_site("fork_child_that_exits", "trace-test: fork site");
+  EXPECT_TRUE(contains(r.err,
+                       " while GNU OpenMP's thread pool was alive in it (verdict "
+                       "openmp_pool): the child hangs for ever at its first OpenMP "
+                       "parallel region"))
+      << r.err;
+  EXPECT_TRUE(contains(r.err, "fork() called at " + fork_site + ":\n")) << r.err;
+  EXPECT_TRUE(contains(r.err, "GNU OpenMP's thread pool was started in PID ")) << r.err;
+  EXPECT_TRUE(contains(r.err, " at " + pool_site + " (pthread_create from libgomp.so.1):\n"))
+      << r.err;
+  // The pool's stack: libgomp's own frames, then the helper's, down to main().
+  EXPECT_TRUE(contains(r.err, "[libgomp.so.1+")) << r.err;
+  EXPECT_TRUE(contains(r.err, " " + pool_site + "  [trace_openmp+")) << r.err;
+  EXPECT_TRUE(contains(r.err, "evidence (forkguard probe, verdict openmp_pool):\n")) << r.err;
+  EXPECT_TRUE(contains(r.err, "    - openmp_pool: ")) << r.err;
+  EXPECT_TRUE(contains(r.err, "torch.set_num_threads(1)")) << r.err;
+  EXPECT_TRUE(contains(r.err, "OMP_NUM_THREADS=1")) << r.err;
+  EXPECT_TRUE(contains(r.err, "spawn or a fork server")) << r.err;
+  EXPECT_TRUE(contains(r.err, "forkguard.guard()")) << r.err;
+  EXPECT_FALSE(contains(r.err, "CUDA was initialized")) << r.err;
+  // The summary, last.
+  EXPECT_TRUE(contains(r.err, "forkguard trace: GNU OpenMP's thread pool was started in PID "))
+      << r.err;
+  EXPECT_TRUE(contains(r.err, " forked 1 time while it was alive (first at " + fork_site + ")"))
+      << r.err;
+}
+
+TEST_F(Trace, NoOpenMpReportWithoutAPoolOrWhenTheChildExecs) {
+  // A fork with no pool (after a thread that is not libgomp's): no event, no summary at all.
+  for (auto steps : std::vector<std::vector<std::string>>{{"fork-exit"}, {"thread", "fork-exit"}}) {
+    steps.insert(steps.begin(), kTraceOpenMp);
+    auto r = trace({}, steps);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_EQ(r.out, "child exited 0\n") << steps[1];
+    EXPECT_EQ(r.err, "") << steps[1];
+  }
+  // A pool, then fork-then-exec: nothing but the summary, saying so.
+  auto quiet = trace({"--quiet"}, {kTraceOpenMp, "parallel", "fork-exec"});
+  EXPECT_EQ(quiet.exit_code, 0) << quiet.err;
+  EXPECT_EQ(quiet.out, "parallel ran on 2 threads\nchild exited 0\n");
+  EXPECT_EQ(quiet.err, "");
+  auto r = trace({}, {kTraceOpenMp, "parallel", "fork-exec"});
+  EXPECT_TRUE(contains(r.err,
+                       "forkguard trace: nothing to report: no fork while GNU OpenMP's thread "
+                       "pool was alive (started in PID "))
+      << r.err;
+  EXPECT_TRUE(contains(
+      r.err, " at " + openmp_site("start_openmp_pool", "trace-test: parallel site") + ").\n"))
+      << r.err;
+}
+
+TEST_F(Trace, JsonHasTheOpenMpPoolAndEachForkWhileItWasAlive) {
+  const std::string path = dir_.path() + "/events.json";
+  auto r = trace({"--json", path}, {kTraceOpenMp, "parallel", "fork-exit", "fork-exit"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(count(r.err, "fork() called at"), 1u) << r.err;
+  EXPECT_EQ(count(r.err, "forked again while GNU OpenMP's thread pool was alive"), 1u) << r.err;
+  EXPECT_TRUE(contains(r.err, " forked 2 times while it was alive")) << r.err;
+  std::ifstream in(path);
+  json doc = json::parse(in);
+  EXPECT_EQ(doc["found"], true);
+  std::map<std::string, std::vector<json>> by_kind;
+  for (const auto& e : doc["events"]) {
+    for (const char* key :
+         {"event", "pid", "ppid", "time", "what", "site", "native_frames", "python_frames"}) {
+      EXPECT_TRUE(e.contains(key)) << key << " in " << e.dump();
+    }
+    by_kind[e["event"]].push_back(e);
+  }
+  ASSERT_EQ(by_kind["openmp_pool"].size(), 1u) << doc.dump(1);
+  ASSERT_EQ(by_kind["openmp_fork"].size(), 2u) << doc.dump(1);
+  EXPECT_EQ(by_kind.count("dirty_fork"), 0u);
+  const json& pool = by_kind["openmp_pool"][0];
+  EXPECT_EQ(pool["what"], "pthread_create from libgomp.so.1");
+  EXPECT_EQ(pool["call"], "pthread_create");
+  EXPECT_TRUE(contains(pool["library"], "libgomp.so.1")) << pool.dump();
+  EXPECT_EQ(pool["site"], openmp_site("start_openmp_pool", "trace-test: parallel site"));
+  json helper_frame;
+  for (const auto& f : pool["native_frames"]) {
+    if (!contains(f["library"], "libgomp")) {
+      helper_frame = f;
+      break;
+    }
+  }
+  EXPECT_EQ(helper_frame["function"], "start_openmp_pool") << pool.dump();
+  EXPECT_EQ(helper_frame["line"], line_of(kOpenMpSource, "trace-test: parallel site"));
+  std::set<int> children;
+  for (size_t i = 0; i < 2; ++i) {
+    const json& fork = by_kind["openmp_fork"][i];
+    EXPECT_EQ(fork["pid"], pool["pid"]);
+    EXPECT_EQ(fork["verdict"], "openmp_pool");
+    EXPECT_EQ(fork["pool_site"], pool["site"]);
+    EXPECT_EQ(fork["repeat"], i == 0 ? 0 : 1);
+    EXPECT_EQ(fork["native_frames"][0]["function"], "fork_child_that_exits");
+    EXPECT_LE(pool["time"].get<double>(), fork["time"].get<double>());
+    children.insert(fork["child_pid"].get<int>());
+  }
+  EXPECT_EQ(children.size(), 2u);
+}
+
 // --- Python ------------------------------------------------------------------------------------
 
 TEST_F(Trace, PythonForkNamesTheInitFunctionsLineAndTheProcessStartLine) {
@@ -403,6 +519,51 @@ TEST_F(Trace, PythonJsonHasPythonFrames) {
     EXPECT_EQ(e["python_frames"][0]["line"], line_of(kPythonFork, "# marker: init"));
   }
   EXPECT_TRUE(init_seen) << doc.dump(1);
+}
+
+// torch 2.14's wheel brings its own libgomp.so.1; its first parallel CPU op starts the pool.
+bool have_torch_python() {
+  return ::access(kTorchPython.c_str(), X_OK) == 0 &&
+         ft::run({kTorchPython, "-c", "import torch"}, {}, 180s).exit_code == 0;
+}
+
+TEST_F(Trace, TorchParallelOpThenForkNamesThePythonLineOfTheOp) {
+  if (!have_torch_python()) GTEST_SKIP() << "no torch 2.x interpreter at " << kTorchPython;
+  env_["OMP_NUM_THREADS"] = "2";  // a pool of its own whatever the machine's core count
+  auto r = trace({}, {kTorchPython, kPythonOpenMp}, 180s);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, ": child exited 0\n")) << r.out;
+  const std::string op_line = std::to_string(line_of(kPythonOpenMp, "# marker: parallel op"));
+  const std::string fork_line = std::to_string(line_of(kPythonOpenMp, "# marker: fork"));
+  EXPECT_TRUE(
+      contains(r.err, "fork() called at " + kPythonOpenMp + ":" + fork_line + " in main():"))
+      << r.err;
+  EXPECT_TRUE(contains(r.err, "GNU OpenMP's thread pool was started in PID ")) << r.err;
+  EXPECT_TRUE(contains(
+      r.err, " at " + kPythonOpenMp + ":" + op_line + " in warm_up() (pthread_create from libgomp"))
+      << r.err;
+  EXPECT_TRUE(contains(r.err, "File \"" + kPythonOpenMp + "\", line " + op_line + ", in warm_up\n"))
+      << r.err;
+  EXPECT_TRUE(contains(r.err, "- openmp_pool: ")) << r.err;
+  EXPECT_TRUE(contains(r.err, "torch.set_num_threads(1)")) << r.err;
+}
+
+TEST_F(Trace, TorchWithOneOpenMpThreadForksWithoutAReport) {
+  if (!have_torch_python()) GTEST_SKIP() << "no torch 2.x interpreter at " << kTorchPython;
+  env_["OMP_NUM_THREADS"] = "1";  // no pool is started
+  const std::string path = dir_.path() + "/events.json";
+  auto r = trace({"--json", path}, {kTorchPython, kPythonOpenMp}, 180s);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, ": child exited 0\n")) << r.out;
+  EXPECT_FALSE(contains(r.err, "GNU OpenMP")) << r.err;
+  EXPECT_FALSE(contains(r.err, "forked child PID")) << r.err;
+  std::ifstream in(path);
+  json doc = json::parse(in);
+  EXPECT_EQ(doc["found"], false);
+  for (const auto& e : doc["events"]) {
+    EXPECT_NE(e["event"], "openmp_pool") << e.dump();
+    EXPECT_NE(e["event"], "openmp_fork") << e.dump();
+  }
 }
 
 TEST_F(Trace, ImportTorchPrintsNothingAndExitsZero) {

@@ -368,9 +368,11 @@ int main(int argc, char** argv) {
         "--strict", tf.strict,
         "A child forked after CUDA initialization exits with code 70 at its first CUDA "
         "touch, with the report, instead of failing later");
-    tracec->add_option("--json", tf.json,
-                       "Write every event (driver_loaded, device_opened, cuda_init, dirty_fork, "
-                       "poisoned_touch) with pid, ppid, time and native and Python frames");
+    tracec->add_option(
+        "--json", tf.json,
+        "Write every event (driver_loaded, device_opened, cuda_init, dirty_fork, "
+        "poisoned_touch, openmp_pool, openmp_fork) with pid, ppid, time and native and "
+        "Python frames");
     tracec->add_flag("--quiet", tf.quiet, "No summary when nothing was found");
     tracec->add_option("command", tf.command, "The command to trace (after --)")->required();
   }

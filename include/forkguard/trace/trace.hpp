@@ -1,8 +1,10 @@
 // forkguard trace: run a command with libforkguard_trace.so preloaded and collect what it saw in
 // the command and every process it forks or executes: where the CUDA driver was loaded and
-// initialized, forks after initialization (dirty forks), and CUDA touches in the children of such
-// forks (poisoned touches). The reports themselves are printed by the library, on the traced
-// processes' stderr, as the events happen; this API adds the run, the events and a summary.
+// initialized, forks after initialization (dirty forks), CUDA touches in the children of such
+// forks (poisoned touches), where GNU OpenMP's thread pool was started and forks while it was
+// alive (their children hang at their first parallel region). The reports themselves are printed by
+// the library, on the traced processes' stderr, as the events happen; this API adds the run, the
+// events and a summary.
 //
 //   auto result = forkguard::trace::run({.strict = true, .json_path = "events.json"},
 //                                       {"/usr/bin/python3", "train.py"});
@@ -33,7 +35,8 @@ inline constexpr int kExitStrict = 70;
 
 // One event from a traced process.
 struct Event {
-  std::string kind;  // driver_loaded, device_opened, cuda_init, dirty_fork, poisoned_touch
+  std::string kind;  // driver_loaded, device_opened, cuda_init, dirty_fork, poisoned_touch,
+                     // openmp_pool, openmp_fork
   int pid = 0;
   int ppid = 0;
   double time = 0;   // seconds since the epoch
@@ -45,7 +48,8 @@ struct Event {
 struct Result {
   int exit_code = 0;          // the command's
   std::vector<Event> events;  // in time order
-  // A fork after CUDA initialization, or a CUDA touch in a child of one, was seen.
+  // A fork after CUDA initialization, or a CUDA touch in a child of one, or a fork while GNU
+  // OpenMP's thread pool was alive, was seen.
   bool found() const;
   // One paragraph: what was found and where, or that nothing was.
   std::string summary() const;

@@ -4,10 +4,10 @@
 // - Every hook forwards to the real function and returns what it returned, errno included.
 // - Our own work inside a hook (the probe reads /proc, symbolizing reads ELF files) runs with
 //   t_busy set, so that it is not itself recorded and cannot recurse.
-// - The fork handlers exist only once the process came near CUDA (see activate()); until the
-//   driver is mapped they only take two mutexes of ours. The child handler is async-signal-safe:
-//   it closes and writes file descriptors and resets our locks; the reports it needs were
-//   prepared before the fork.
+// - The fork handlers exist only once the process came near CUDA or started GNU OpenMP's thread
+//   pool (see activate()); until the driver is mapped or the pool started they only take two
+//   mutexes of ours. The child handler is async-signal-safe: it closes and writes file
+//   descriptors and resets our locks; the reports it needs were prepared before the fork.
 // - Python frames are read with the GIL only where this thread holds no lock the GIL holder could
 //   wait for (see GilPolicy); elsewhere the native frames stand alone and the report says why.
 #include <dlfcn.h>
@@ -149,9 +149,10 @@ Device device_of(std::string_view path) {
 // child's copy is consistent, and the child re-creates it.
 //
 // The fork handlers are registered by activate(), when the process first comes near CUDA (a CUDA
-// library mapped, a device file opened, cuInit): a process that never does runs no code of ours
-// at fork, not even a check. Every path to a state that is not fork-safe goes through one of
-// those hooks first (cuInit opens nvidia-uvm), and activate() is never called from a fork
+// library mapped, a device file opened, cuInit) or libgomp starts its thread pool (pthread_create
+// called from libgomp): a process that does neither runs no code of ours at fork, not even a
+// check. Every path to a state that is not fork-safe goes through one of those hooks first (cuInit
+// opens nvidia-uvm; a pool's threads are created), and activate() is never called from a fork
 // handler before the handlers exist (glibc holds its atfork lock while they run).
 std::mutex g_mu;
 std::atomic<bool> g_active{false};
@@ -468,6 +469,108 @@ void device_opened(const char* path, const void* caller) {
   }
 }
 
+// --- GNU OpenMP's thread pool
+// ---------------------------------------------------------------------
+// libgomp starts a thread's pool of workers with pthread_create at that thread's first parallel
+// region (PyTorch: its first parallel CPU op), and the pool does not survive fork: a child's first
+// parallel region waits for workers that do not exist. The first pthread_create called from a
+// libgomp mapping is the pool's start; its stack is the site the dirty-fork report names.
+//
+// Every other pthread_create pays an atomic load while no pool was seen, and a look at a small
+// cache of callers known not to be libgomp; a caller not in it costs one dl_iterate_phdr walk
+// (no symbol search, no allocation).
+std::atomic<bool> g_omp_claimed{false};  // this process's pool start is recorded (or being)
+std::atomic<bool> g_omp_started{false};  // ... recorded: the fork handlers ask the probe
+
+constexpr int kCallerSlots = 16;
+std::atomic<uintptr_t> g_not_libgomp[kCallerSlots];  // racy by design: a lost entry costs a walk
+std::atomic<unsigned> g_not_libgomp_next{0};
+
+bool known_not_libgomp(uintptr_t pc) {
+  for (const auto& slot : g_not_libgomp) {
+    if (slot.load(std::memory_order_relaxed) == pc) return true;
+  }
+  return false;
+}
+
+// The object that contains `pc`, found through the program headers of the loaded objects.
+struct ObjectAt {
+  uintptr_t pc = 0;
+  bool found = false;
+  char path[512] = {};
+};
+
+void find_object(ObjectAt& at) {
+  ::dl_iterate_phdr(
+      [](dl_phdr_info* info, size_t, void* data) -> int {
+        auto* at = static_cast<ObjectAt*>(data);
+        for (int i = 0; i < info->dlpi_phnum; ++i) {
+          const ElfW(Phdr)& ph = info->dlpi_phdr[i];
+          if (ph.p_type != PT_LOAD) continue;
+          const uintptr_t start = info->dlpi_addr + ph.p_vaddr;
+          if (at->pc - start < ph.p_memsz) {
+            at->found = true;
+            const char* name = info->dlpi_name != nullptr ? info->dlpi_name : "";
+            std::strncpy(at->path, name, sizeof at->path - 1);
+            return 1;
+          }
+        }
+        return 0;
+      },
+      &at);
+}
+
+bool is_sanitizer_runtime(std::string_view base) {
+  return starts_with(base, "libasan.so") || starts_with(base, "libtsan.so");
+}
+
+void record_pool_start(const char* library) {
+  Busy busy;
+  Event e;
+  e.kind = EventKind::kOpenMpPool;
+  e.what = "pthread_create from " + std::string(basename_of(library));
+  e.fields.emplace_back("library", library);
+  e.fields.emplace_back("call", "pthread_create");
+  capture_pcs(e.raw);
+  // The thread that starts a pool is in the program's compute code, which released the GIL
+  // (PyTorch does for every op): libgomp holds no lock while it creates its workers, and none of
+  // ours is held here, so waiting for the GIL cannot close a circle through us or libgomp.
+  python_frames(e.stack, GilPolicy::kMayTake);
+  record(std::move(e));
+  g_omp_started.store(true);
+}
+
+// Called by the interposed pthread_create, before the thread exists, with its caller.
+void thread_created_by(const void* caller) {
+  const auto pc = reinterpret_cast<uintptr_t>(caller);
+  if (known_not_libgomp(pc)) return;
+  ObjectAt at;
+  at.pc = pc;
+  find_object(at);
+  auto base = basename_of(at.path);
+  if (at.found && is_sanitizer_runtime(base)) {
+    // A sanitizer's interceptor in front of us: the real caller is the frame below it.
+    RawStack raw;
+    capture_pcs(raw);
+    for (int i = 0; i < raw.size; ++i) {
+      ObjectAt below;
+      below.pc = raw.pcs[i];
+      find_object(below);
+      const auto b = basename_of(below.path);
+      if (!below.found || below.path == self_path() || is_sanitizer_runtime(b)) continue;
+      if (starts_with(b, "libgomp") && !g_omp_claimed.exchange(true)) record_pool_start(below.path);
+      return;
+    }
+    return;
+  }
+  if (!at.found || !starts_with(base, "libgomp")) {
+    const unsigned slot = g_not_libgomp_next.fetch_add(1, std::memory_order_relaxed);
+    g_not_libgomp[slot % kCallerSlots].store(pc, std::memory_order_relaxed);
+    return;
+  }
+  if (!g_omp_claimed.exchange(true)) record_pool_start(at.path);
+}
+
 // --- reports
 // --------------------------------------------------------------------------------------
 std::optional<Event> first_event(EventKind kind) {
@@ -483,32 +586,55 @@ std::string prepared_init_text(const Event& init) {
          headline(init.stack) + " (" + init.what + "):\n" + format_stack(init.stack, "    ");
 }
 
-// What the parent knew at fork time, for its report and its child's.
+// The most recent event of `kind` recorded by this process, else the first one inherited.
+std::optional<Event> own_event(EventKind kind) {
+  std::lock_guard lock(g_mu);
+  const pid_t me = ::getpid();
+  const Event* found = nullptr;
+  for (const auto& e : events()) {
+    if (e.kind != kind) continue;
+    if (e.pid == me || found == nullptr) found = &e;
+  }
+  if (found == nullptr) return std::nullopt;
+  return *found;
+}
+
+std::string evidence_text(const probe::CudaState& state, bool openmp_only) {
+  std::string out;
+  for (const auto& ev : state.evidence) {
+    if (ev.kind == probe::EvidenceKind::kEnvironment) continue;
+    const bool openmp =
+        ev.kind == probe::EvidenceKind::kOpenMpPool || ev.kind == probe::EvidenceKind::kLiveThread;
+    if (openmp_only && !openmp) continue;
+    out += "    - " + std::string(probe::to_string(ev.kind)) + ": " + ev.detail + "\n";
+  }
+  return out;
+}
+
+// One report a fork may need: CUDA's, GNU OpenMP's, or both.
+struct ForkReport {
+  Event event;          // dirty_fork or openmp_fork; child_pid and repeat added once known
+  std::string verdict;  // the probe's
+  std::string body;     // the report below its first line
+  std::string site;     // fork site + cause site: repeated forks from one place are reported once
+};
+
+// What the parent knew at fork time, for its reports and its child's.
 struct PreparedFork {
   int read_fd = -1;
   int write_fd = -1;
-  Event event;  // dirty_fork, child_pid added once known
-  std::string body;
-  std::string site;  // fork site + init site: repeated forks from one place are reported once
+  std::vector<ForkReport> reports;
+  bool cuda = false;  // CUDA's state was not fork-safe: the child is poisoned (child_info)
   PoisonedInfo child_info;
 };
 
-PreparedFork* prepare_fork() {
-  std::optional<probe::CudaState> state;
-  try {
-    state = probe::self_if_fork_unsafe();
-  } catch (...) {
-    return nullptr;  // the probe could not look: no report rather than a wrong one
-  }
-  if (!state) return nullptr;
-  auto* p = new PreparedFork;
-  Event& e = p->event;
+ForkReport cuda_report(const Event& fork, const probe::CudaState& state, PoisonedInfo& child) {
+  ForkReport r;
+  Event& e = r.event;
+  e = fork;
   e.kind = EventKind::kDirtyFork;
-  e.time = now_epoch();
-  capture_pcs(e.raw);
-  python_frames(e.stack, GilPolicy::kIfHeld);
-  ensure_symbolized(e);
-  const std::string verdict(probe::to_string(state->verdict));
+  const std::string verdict(probe::to_string(state.verdict));
+  r.verdict = verdict;
   e.what = "fork() with CUDA state not fork-safe (" + verdict + ")";
   e.fields.emplace_back("verdict", verdict);
   std::string body;
@@ -544,17 +670,73 @@ PreparedFork* prepare_fork() {
     if (!files.empty()) body += "  device files opened: " + files + "\n";
   }
   body += "  evidence (forkguard probe, verdict " + verdict + "):\n";
-  for (const auto& ev : state->evidence) {
-    if (ev.kind == probe::EvidenceKind::kEnvironment) continue;
-    body += "    - " + std::string(probe::to_string(ev.kind)) + ": " + ev.detail + "\n";
-  }
+  body += evidence_text(state, false);
   body += "  cure:\n" + cure_text("    ");
-  p->body = std::move(body);
-  p->site = headline(e.stack) + "|" + init_headline;
-  p->child_info.parent = ::getpid();
-  p->child_info.parent_verdict = verdict;
-  p->child_info.parent_init = std::move(init_text);
-  p->child_info.parent_init_headline = init_headline;
+  r.body = std::move(body);
+  r.site = headline(e.stack) + "|" + init_headline;
+  child.parent = ::getpid();
+  child.parent_verdict = verdict;
+  child.parent_init = std::move(init_text);
+  child.parent_init_headline = init_headline;
+  return r;
+}
+
+ForkReport openmp_report(const Event& fork, const probe::CudaState& state) {
+  ForkReport r;
+  Event& e = r.event;
+  e = fork;
+  e.kind = EventKind::kOpenMpFork;
+  const std::string verdict(probe::to_string(state.verdict));
+  r.verdict = verdict;
+  e.what = "fork() with GNU OpenMP's thread pool alive (" + verdict + ")";
+  e.fields.emplace_back("verdict", verdict);
+  std::string body;
+  body += "  fork() called at " + headline(e.stack) + ":\n" + format_stack(e.stack, "    ");
+  std::string pool_headline = "(not seen)";
+  if (auto pool = own_event(EventKind::kOpenMpPool)) {
+    ensure_symbolized(*pool);
+    pool_headline = headline(pool->stack);
+    e.fields.emplace_back("pool_site", pool_headline);
+    body += "  GNU OpenMP's thread pool was started in PID " + std::to_string(pool->pid) + " at " +
+            pool_headline + " (" + pool->what + "):\n" + format_stack(pool->stack, "    ");
+  } else {
+    body +=
+        "  where GNU OpenMP's thread pool was started: not seen (before tracing, or by a "
+        "pthread_create not called from libgomp's own code)\n";
+  }
+  body += "  evidence (forkguard probe, verdict " + verdict + "):\n";
+  body += evidence_text(state, true);
+  body += "  cure:\n" + openmp_cure_text("    ");
+  r.body = std::move(body);
+  r.site = headline(e.stack) + "|" + pool_headline;
+  return r;
+}
+
+PreparedFork* prepare_fork() {
+  std::optional<probe::CudaState> state;
+  try {
+    state = probe::self_if_fork_unsafe();
+  } catch (...) {
+    return nullptr;  // the probe could not look: no report rather than a wrong one
+  }
+  if (!state) return nullptr;
+  // CUDA's verdict stands where it is not fork-safe, a live pool is then evidence beside it.
+  const bool openmp =
+      state->verdict == probe::Verdict::kOpenMpPool || state->has(probe::EvidenceKind::kOpenMpPool);
+  const bool cuda =
+      !probe::is_fork_safe(state->verdict) && state->verdict != probe::Verdict::kOpenMpPool;
+  if (!cuda && !openmp) return nullptr;
+  auto* p = new PreparedFork;
+  Event fork;
+  fork.time = now_epoch();
+  capture_pcs(fork.raw);
+  python_frames(fork.stack, GilPolicy::kIfHeld);
+  ensure_symbolized(fork);
+  if (cuda) {
+    p->cuda = true;
+    p->reports.push_back(cuda_report(fork, *state, p->child_info));
+  }
+  if (openmp) p->reports.push_back(openmp_report(fork, *state));
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) == 0) {
     p->read_fd = fds[0];
@@ -648,29 +830,45 @@ bool drain(Pending& p) {
   }
 }
 
-// The report of a dirty fork, and its event.
+// The reports of a dirty fork, and their events.
 std::string resolve(Pending& p) {
   PreparedFork& f = *p.prepared;
   if (g_reported_sites == nullptr) g_reported_sites = new std::vector<std::string>;
-  bool repeat = false;
-  for (const auto& s : *g_reported_sites) repeat = repeat || s == f.site;
   const std::string me = std::to_string(::getpid());
   const std::string child = std::to_string(p.child);
   std::string text;
-  if (repeat) {
-    text = "forkguard trace: PID " + me + " forked again after CUDA was initialized (child PID " +
-           child + ", at " + headline(f.event.stack) + "): same fork and init sites as above.\n";
-  } else {
-    g_reported_sites->push_back(f.site);
-    text = "forkguard trace: PID " + me + " forked child PID " + child +
-           " after CUDA was initialized in it (verdict " + f.event.fields[0].second +
-           "): the child cannot use CUDA; every CUDA call there fails with "
-           "CUDA_ERROR_NOT_INITIALIZED (3) (PyTorch: \"Cannot re-initialize CUDA in forked "
-           "subprocess\").\n" +
-           f.body;
+  for (auto& r : f.reports) {
+    const bool cuda = r.event.kind == EventKind::kDirtyFork;
+    const std::string site = (cuda ? "cuda|" : "openmp|") + r.site;
+    bool repeat = false;
+    for (const auto& s : *g_reported_sites) repeat = repeat || s == site;
+    if (repeat && cuda) {
+      text += "forkguard trace: PID " + me +
+              " forked again after CUDA was initialized (child PID " + child + ", at " +
+              headline(r.event.stack) + "): same fork and init sites as above.\n";
+    } else if (repeat) {
+      text += "forkguard trace: PID " + me +
+              " forked again while GNU OpenMP's thread pool was alive (child PID " + child +
+              ", at " + headline(r.event.stack) + "): same fork and pool sites as above.\n";
+    } else if (cuda) {
+      g_reported_sites->push_back(site);
+      text += "forkguard trace: PID " + me + " forked child PID " + child +
+              " after CUDA was initialized in it (verdict " + r.verdict +
+              "): the child cannot use CUDA; every CUDA call there fails with "
+              "CUDA_ERROR_NOT_INITIALIZED (3) (PyTorch: \"Cannot re-initialize CUDA in forked "
+              "subprocess\").\n" +
+              r.body;
+    } else {
+      g_reported_sites->push_back(site);
+      text += "forkguard trace: PID " + me + " forked child PID " + child +
+              " while GNU OpenMP's thread pool was alive in it (verdict " + r.verdict +
+              "): the child hangs for ever at its first OpenMP parallel region (PyTorch: its "
+              "first parallel CPU op), waiting for pool threads that fork did not copy.\n" +
+              r.body;
+    }
+    r.event.numbers.emplace_back("child_pid", p.child);
+    r.event.numbers.emplace_back("repeat", repeat ? 1 : 0);
   }
-  f.event.numbers.emplace_back("child_pid", p.child);
-  f.event.numbers.emplace_back("repeat", repeat ? 1 : 0);
   return text;
 }
 
@@ -714,7 +912,7 @@ void watch() {
         }
         if (!p.exec && p.got == sizeof(pid_t)) {
           texts.push_back(resolve(p));
-          fired.push_back(std::move(p.prepared->event));
+          for (auto& r : p.prepared->reports) fired.push_back(std::move(r.event));
         }
         ::close(p.prepared->read_fd);
         delete p.prepared;
@@ -738,7 +936,8 @@ void before_fork() {
       Busy busy;
       scan_if_needed();
     }
-    if (g_driver_seen.load(std::memory_order_relaxed)) {
+    if (g_driver_seen.load(std::memory_order_relaxed) ||
+        g_omp_started.load(std::memory_order_relaxed)) {
       Busy busy;
       t_prepared = prepare_fork();
     }
@@ -790,6 +989,9 @@ void after_fork_child() {
   g_wake[0] = g_wake[1] = -1;
   if (g_exec_notify_fd >= 0) ::close(g_exec_notify_fd);  // our parent's pipe is not ours to write
   g_exec_notify_fd = -1;
+  // The pool's threads were not copied: a pool this child starts is its own, recorded again.
+  g_omp_claimed.store(false, std::memory_order_relaxed);
+  g_omp_started.store(false, std::memory_order_relaxed);
   PreparedFork* p = t_prepared;
   t_prepared = nullptr;
   if (p == nullptr) return;
@@ -800,6 +1002,7 @@ void after_fork_child() {
     (void)n;
     g_exec_notify_fd = p->write_fd;
   }
+  if (!p->cuda) return;
   g_poisoned = &p->child_info;
   g_poisoned_reported.store(false, std::memory_order_relaxed);
 }
@@ -1031,6 +1234,27 @@ FG_EXPORT int __openat_2(int dirfd, const char* path, int flags) {
 FG_EXPORT int __openat64_2(int dirfd, const char* path, int flags) {
   return after_open(real_fn(g_openat64_2, "__openat64_2")(dirfd, path, flags), path,
                     __builtin_return_address(0));
+}
+
+// --- pthread_create: where GNU OpenMP's thread pool starts
+// ----------------------------------------
+namespace {
+using PthreadCreateFn = int (*)(pthread_t*, const pthread_attr_t*, void* (*)(void*), void*);
+PthreadCreateFn g_pthread_create;
+}  // namespace
+
+FG_EXPORT int pthread_create(pthread_t* thread, const pthread_attr_t* attr, void* (*start)(void*),
+                             void* arg) {
+  const PthreadCreateFn real = real_fn(g_pthread_create, "pthread_create");
+  if (!ftd::t_busy && !ftd::g_omp_claimed.load(std::memory_order_relaxed)) {
+    const int saved = errno;
+    {
+      ftd::Busy busy;
+      ftd::thread_created_by(__builtin_return_address(0));
+    }
+    errno = saved;
+  }
+  return real(thread, attr, start, arg);
 }
 
 // --- exec: tells the parent's watcher that this child is a fork-then-exec

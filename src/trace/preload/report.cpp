@@ -26,7 +26,7 @@ bool is_system_object(std::string_view library) {
   auto base = basename_of(library);
   for (std::string_view p :
        {"libc.so", "libcuda.so", "libcudart.so", "libnvidia-ml.so", "libffi.so", "libforkguard.so",
-        "ld-linux", "libstdc++.so", "libasan.so", "libtsan.so", "libubsan.so"}) {
+        "ld-linux", "libstdc++.so", "libasan.so", "libtsan.so", "libubsan.so", "libgomp"}) {
     if (starts_with(base, p)) return true;
   }
   return false;
@@ -76,6 +76,8 @@ std::string_view to_string(EventKind kind) {
     case EventKind::kCudaInit: return "cuda_init";
     case EventKind::kDirtyFork: return "dirty_fork";
     case EventKind::kPoisonedTouch: return "poisoned_touch";
+    case EventKind::kOpenMpPool: return "openmp_pool";
+    case EventKind::kOpenMpFork: return "openmp_fork";
   }
   return "unknown";
 }
@@ -147,6 +149,23 @@ std::string cure_text(std::string_view indent) {
          in +
          "- keep data-loader workers CPU-only (no CUDA in Dataset.__getitem__, collate_fn or "
          "worker_init_fn)\n";
+}
+
+std::string openmp_cure_text(std::string_view indent) {
+  const std::string in(indent);
+  return in +
+         "- PyTorch: torch.set_num_threads(1) before the first parallel op, or OMP_NUM_THREADS=1 "
+         "in the program's environment: no pool is started (the parent computes on one "
+         "thread)\n" +
+         in +
+         "- start the child with spawn or a fork server instead of fork: "
+         "multiprocessing.set_start_method(\"spawn\") or (\"forkserver\"), "
+         "DataLoader(multiprocessing_context=\"spawn\"), forkguard run --start-method "
+         "forkserver\n" +
+         in +
+         "- Python: forkguard.guard() before starting processes reroutes multiprocessing's fork "
+         "start to forkguard's fork server while this process is not fork-safe\n" +
+         in + "- or fork before the first parallel region, and start OpenMP in the children\n";
 }
 
 std::string to_json_line(const Event& e) {

@@ -13,7 +13,15 @@
 
 namespace forkguard::trace::detail {
 
-enum class EventKind { kDriverLoaded, kDeviceOpened, kCudaInit, kDirtyFork, kPoisonedTouch };
+enum class EventKind {
+  kDriverLoaded,
+  kDeviceOpened,
+  kCudaInit,
+  kDirtyFork,
+  kPoisonedTouch,
+  kOpenMpPool,  // GNU OpenMP (libgomp) started its thread pool: its first pthread_create
+  kOpenMpFork,  // a fork (not followed by exec) while that pool was alive
+};
 std::string_view to_string(EventKind kind);
 
 struct Event {
@@ -35,8 +43,10 @@ void ensure_symbolized(Event& event);
 std::string headline(const Stack& stack);
 // The stack as a user reads it: Python frames (most recent call last), then native frames.
 std::string format_stack(const Stack& stack, std::string_view indent);
-// The cures, one bullet a line.
+// The cures, one bullet a line: of a fork after CUDA initialization, of a fork with GNU OpenMP's
+// thread pool alive.
 std::string cure_text(std::string_view indent);
+std::string openmp_cure_text(std::string_view indent);
 // One JSON object on one line, '\n'-terminated.
 std::string to_json_line(const Event& event);
 
