@@ -24,6 +24,9 @@ test: build
 # fork server and spawn succeed, plain fork is refused with the evidence. Then two training
 # ranks under `forkguard run`, each with a process-worker image loader feeding its GPU (the host
 # where there is none), on DATA (an ImageFolder) or on images cut from Debian's photographs.
+# Then the same in Python, in real Jupyter kernels on the torch 2.14 venv (deps installs it):
+# after a first cell `torch.cuda.is_available()` and a parallel CPU op, accelerate's
+# notebook_launcher and torch's DataLoader against forkguard's, each cell bounded, one table.
 demo: build
 	@dev=$$(mktemp -d) && trap 'rm -rf "$$dev"' EXIT && \
 	  FORKGUARD_CUDA_DRIVER=$(CURDIR)/$(FAKE)/libcuda.so.1 \
@@ -39,6 +42,8 @@ demo: build
 	@data="$(DATA)"; if [ -z "$$data" ]; then data=build/demo/images; scripts/demo-data $$data; fi; \
 	  echo; echo "=== forkguard run --nproc-per-node 2 -- loader_ranks --data $$data ==="; \
 	  $(BUILD)/bin/forkguard run --nproc-per-node 2 -- $(BUILD)/bin/loader_ranks --data "$$data" --epochs 2
+	@echo; echo "=== examples/notebook_peers.py: accelerate's and torch's against forkguard's, in Jupyter kernels ==="
+	PYTHONPATH=$(CURDIR)/$(BUILD)/python build/torch-2.14/bin/python examples/notebook_peers.py
 
 asan tsan: deps
 	cmake --preset $@
