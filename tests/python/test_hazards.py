@@ -300,3 +300,22 @@ def test_torchs_fork_poison_comes_before_the_pool_in_the_verdict(tmp_path, has_p
     """, timeout=300)
     assert rc == 0, err
     assert out.split() == ["torch_fork_poisoned", "False", "torch_fork_poison", "True"], out
+
+
+def test_forkguard_notebook_launcher_after_a_parallel_op_runs_its_ranks(tmp_path, has_pool):
+    # Its ranks come from the interpreter fork server, started while this process was clean:
+    # neither the pool nor torch's poison reaches them (on both torches).
+    rc, out, err = run(tmp_path, f"""
+        import os, sys, torch
+        import forkguard
+
+        def rank():
+            {PARALLEL_OP}
+            return int(os.environ["RANK"])
+
+        torch.cuda.is_available()
+        {PARALLEL_OP}
+        print("ranks", sorted(forkguard.notebook_launch(rank, nproc=2)))
+    """, timeout=300)
+    assert rc == 0, (out, err)
+    assert "ranks [0, 1]" in out, (out, err)
