@@ -72,10 +72,19 @@ def _main_name(main, obj):
     return None
 
 
+def _reduce_library(lib):
+    """A ctypes library (``DRIVER = ctypes.CDLL(path)`` at a script's top level) travels as its
+    name: the child loads the same library, which a fork child would have mapped."""
+    return type(lib), (lib._name,)
+
+
 def _pickler_class():
+    import ctypes
+
     from . import _by_value  # cloudpickle, keeping the code's file names for tracebacks
 
     base = _by_value.Pickler
+    libraries = {ctypes.CDLL: _reduce_library, ctypes.PyDLL: _reduce_library}
 
     class GuardPickler(base):
         """cloudpickle (functions and classes of __main__ by value) with multiprocessing's
@@ -84,7 +93,8 @@ def _pickler_class():
         child's __main__, their names in ``main_refs``, and __main__'s functions with the child's
         __main__ as their globals (the names they read in ``main_names``, not in their state)."""
 
-        dispatch_table = ChainMap(reduction.ForkingPickler._extra_reducers, base.dispatch_table)
+        dispatch_table = ChainMap(libraries, reduction.ForkingPickler._extra_reducers,
+                                  base.dispatch_table)
 
         def __init__(self, file, main=None, root=None, buffer_callback=None):
             super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL,

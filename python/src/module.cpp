@@ -107,7 +107,7 @@ pid_t g_server_owner = 0;  // the PID that started the zygote: only it may talk 
 // pointer and socket but not the right to use them: it owns none.
 bool start_fork_server() {
   if (ForkServer::get() != nullptr) return g_server_owner == ::getpid();
-  if (probe::self_if_fork_unsafe()) return false;
+  if (probe::self_if_cuda_unsafe()) return false;  // its children run no OpenMP region
   ForkServer::start();
   g_server_owner = ::getpid();
   return true;

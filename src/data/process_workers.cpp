@@ -399,7 +399,7 @@ class ProcessWorkers : public Workers {
 };
 
 std::string verdict_of_this_process() {
-  auto state = probe::self_if_fork_unsafe();
+  auto state = probe::self_if_cuda_unsafe();  // the workers run no OpenMP region
   if (!state) return {};
   std::string evidence;
   for (const auto& e : state->evidence) {

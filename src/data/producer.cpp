@@ -48,7 +48,7 @@ std::atomic<unsigned long long> g_clean_at{~0ull};  // load count at the last cl
 std::optional<std::string> cuda_state_if_unsafe() {
   const auto loads = loads_so_far();
   if (loads == g_clean_at.load(std::memory_order_relaxed)) return std::nullopt;
-  auto state = probe::self_if_fork_unsafe();
+  auto state = probe::self_if_cuda_unsafe();
   if (!state) {
     // Clean without a driver mapped stays clean until something is loaded; with a driver mapped
     // (loaded, not initialized) every check has to look again.

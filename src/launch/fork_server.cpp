@@ -104,7 +104,7 @@ class Zygote : public ZygoteHandler {
 
  private:
   void check_clean() {
-    auto dirty = probe::self_if_fork_unsafe();
+    auto dirty = probe::self_if_cuda_unsafe();  // its children run forkguard's C++ code only
     if (!dirty) return;
     const auto& state = *dirty;
     std::string evidence;
@@ -253,7 +253,7 @@ std::string ForkServer::replace_dead_zygote() {
   if (::getpid() != g_owner) {
     throw SpawnError(dead + "; it belongs to the process that started it, not to this fork");
   }
-  if (auto dirty = probe::self_if_fork_unsafe()) {
+  if (auto dirty = probe::self_if_cuda_unsafe()) {
     throw SpawnError(fmt::format(
         "{}, and no new one can be forked from this process: it holds CUDA state ({}); use "
         "thread workers or the spawn start method",

@@ -200,7 +200,11 @@ T must(pid_t pid, std::optional<T> value, const detail::ProcReadError& e) {
 
 class Prober {
  public:
-  explicit Prober(pid_t pid, bool is_self) : is_self_(is_self) { state_.pid = pid; }
+  // hazards: also the threads' hazards (GNU OpenMP's pool, live threads); CUDA's state always.
+  explicit Prober(pid_t pid, bool is_self, bool hazards = true)
+      : is_self_(is_self), hazards_(hazards) {
+    state_.pid = pid;
+  }
 
   CudaState run() {
     const pid_t pid = state_.pid;
@@ -346,7 +350,7 @@ class Prober {
           fmt::format("{} CUDA driver thread{} ({})", count, count == 1 ? "" : "s", which),
           proc("task"));
     }
-    other_threads(*list);
+    if (hazards_) other_threads(*list);
   }
 
   // The file whose code holds `pc` ("" when none: anonymous or JIT code).
@@ -645,6 +649,7 @@ class Prober {
   }
 
   bool is_self_;
+  bool hazards_;
   CudaState state_;
   Facts facts_;
   std::vector<detail::ExecMapping> code_;  // executable mappings of files, from /proc/PID/maps
@@ -701,6 +706,13 @@ std::optional<CudaState> self_if_fork_unsafe() {
   const auto mapped = forkguard::detail::fork_hazard_libraries();
   if (!mapped.cuda_driver && !(mapped.gnu_openmp && openmp_pool_suspected())) return std::nullopt;
   auto state = self();
+  if (state.fork_safe) return std::nullopt;
+  return state;
+}
+
+std::optional<CudaState> self_if_cuda_unsafe() {
+  if (!forkguard::detail::cuda_driver_mapped()) return std::nullopt;
+  auto state = Prober(::getpid(), true, false).run();
   if (state.fork_safe) return std::nullopt;
   return state;
 }

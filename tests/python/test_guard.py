@@ -1040,3 +1040,23 @@ def test_a_rerouted_childs_exit_handlers_run_as_python_3_13_needs(tmp_path):
                          timeout=120, env=dict(os.environ, PYTHONPATH=package_parent))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["delivered", "0"], out.stdout + out.stderr
+
+
+def test_reroute_a_ctypes_library_global_is_loaded_again_in_the_child(script):
+    # `DRIVER = ctypes.CDLL(path)` at a script's top level (test_wheel's script, and the seeds'):
+    # a fork child has it mapped; a rerouted child loads the same library by its name.
+    out = script("""
+        DRIVER = ctypes.CDLL(os.environ["FORKGUARD_TEST_FAKE_CUDA"])
+
+        def work():
+            sys.exit(DRIVER.cuInit(0))
+
+        if __name__ == "__main__":
+            print("parent", DRIVER.cuInit(0))
+            forkguard.guard()
+            p = mp.Process(target=work)
+            p.start()
+            p.join()
+            print("child", p.exitcode)
+    """)
+    assert "parent 0" in out.stdout and "child 0" in out.stdout, out.stdout + out.stderr

@@ -111,9 +111,16 @@ CudaState pid(pid_t pid);  // pid == getpid() gives self()
 // nullopt when this process is fork-safe, else self(). Answered in microseconds when neither a CUDA
 // driver nor GNU OpenMP is mapped here (the common case: every unsafe verdict needs one of them in
 // the address space). With libgomp mapped and no driver, only the threads are looked at (tens of
-// microseconds; up to 10 ms more while threads keep running), and self() is taken only when a
+// microseconds; up to 50 ms more while threads keep running), and self() is taken only when a
 // pool is seen.
 std::optional<CudaState> self_if_fork_unsafe();
+
+// nullopt unless this process holds CUDA state a fork child cannot use (a verdict of
+// kInitialized, kContextActive or kPoisoned), else self() without the thread hazards. For forks
+// whose children run only forkguard's own C++ code (the fork server, the image loader's process
+// workers, its CUDA check of a sample): a live GNU OpenMP pool is no hazard to them, since they
+// run no OpenMP region. Microseconds when no CUDA driver is mapped; threads are never waited on.
+std::optional<CudaState> self_if_cuda_unsafe();
 
 std::string_view to_string(Verdict verdict);
 std::string_view to_string(EvidenceKind kind);
