@@ -67,7 +67,7 @@ from torch.utils.data.dataloader import DataLoader as _TorchDataLoader
 
 from . import _accelerate_prepare
 from . import _batch_codec, _dataloader_worker, _native, _torch_compat, _torch_fork
-from ._probe import probe_if_fork_unsafe
+from ._probe import OPENMP_POOL, probe_if_fork_unsafe
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -465,7 +465,7 @@ def _start_method(loader):
     dirty = probe_if_fork_unsafe()  # the driver's state, torch's fork poison, thread pools
     if dirty is None:
         return "fork", why if choice == "fork" else "this process is fork-safe", None
-    if dirty.verdict == "openmp_pool":
+    if dirty.verdict == OPENMP_POOL:
         # A live GNU OpenMP pool hangs a forked child at its first parallel region with more
         # than one thread; a worker runs torch with one (torch.set_num_threads(1) before any
         # user code, as torch's own workers), so it never waits for the parent's pool.

@@ -34,7 +34,8 @@ from typing import Optional
 
 from . import _torch_fork
 from ._native import Error
-from ._probe import PYTHON_CURES, ForkUnsafeError, ProbeResult, probe_if_fork_unsafe
+from ._probe import (OPENMP_POOL, PYTHON_CURES, ForkUnsafeError, ProbeResult,
+                     probe_if_fork_unsafe)
 
 POLICIES = ("reroute", "refuse", "warn")
 
@@ -86,7 +87,7 @@ def _dirty() -> Optional[ProbeResult]:
 
 def _failure(result: ProbeResult, whose: str = "its") -> str:
     """How a plain fork child of this process fails: the driver's error, torch's, or a hang."""
-    if result.verdict == "openmp_pool":
+    if result.verdict == OPENMP_POOL:
         return ("the child hangs at its first parallel CPU op: GNU OpenMP's thread pool, alive "
                 "here, does not survive fork")
     if result.verdict in _torch_fork.SUMMARIES:

@@ -51,6 +51,19 @@ bool contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
 }
 
+// The events file's events by kind, each checked to carry every field an event has.
+std::map<std::string, std::vector<json>> events_by_kind(const json& doc) {
+  std::map<std::string, std::vector<json>> by_kind;
+  for (const auto& e : doc["events"]) {
+    for (const char* key :
+         {"event", "pid", "ppid", "time", "what", "site", "native_frames", "python_frames"}) {
+      EXPECT_TRUE(e.contains(key)) << key << " in " << e.dump();
+    }
+    by_kind[e["event"]].push_back(e);
+  }
+  return by_kind;
+}
+
 size_t count(const std::string& haystack, const std::string& needle) {
   size_t n = 0;
   for (size_t at = haystack.find(needle); at != std::string::npos;
@@ -196,14 +209,7 @@ TEST_F(Trace, JsonHasEveryEventWithPidsTimesAndFrames) {
   EXPECT_EQ(doc["exit_code"], 0);
   EXPECT_EQ(doc["found"], true);
   EXPECT_EQ(doc["command"][0], kTraceFork);
-  std::map<std::string, std::vector<json>> by_kind;
-  for (const auto& e : doc["events"]) {
-    for (const char* key :
-         {"event", "pid", "ppid", "time", "what", "site", "native_frames", "python_frames"}) {
-      EXPECT_TRUE(e.contains(key)) << key << " in " << e.dump();
-    }
-    by_kind[e["event"]].push_back(e);
-  }
+  auto by_kind = events_by_kind(doc);
   ASSERT_EQ(by_kind["driver_loaded"].size(), 1u);
   ASSERT_EQ(by_kind["cuda_init"].size(), 1u);
   ASSERT_EQ(by_kind["dirty_fork"].size(), 1u);
@@ -423,14 +429,7 @@ TEST_F(Trace, JsonHasTheOpenMpPoolAndEachForkWhileItWasAlive) {
   std::ifstream in(path);
   json doc = json::parse(in);
   EXPECT_EQ(doc["found"], true);
-  std::map<std::string, std::vector<json>> by_kind;
-  for (const auto& e : doc["events"]) {
-    for (const char* key :
-         {"event", "pid", "ppid", "time", "what", "site", "native_frames", "python_frames"}) {
-      EXPECT_TRUE(e.contains(key)) << key << " in " << e.dump();
-    }
-    by_kind[e["event"]].push_back(e);
-  }
+  auto by_kind = events_by_kind(doc);
   ASSERT_EQ(by_kind["openmp_pool"].size(), 1u) << doc.dump(1);
   ASSERT_EQ(by_kind["openmp_fork"].size(), 2u) << doc.dump(1);
   EXPECT_EQ(by_kind.count("dirty_fork"), 0u);

@@ -628,17 +628,26 @@ struct PreparedFork {
   PoisonedInfo child_info;
 };
 
-ForkReport cuda_report(const Event& fork, const probe::CudaState& state, PoisonedInfo& child) {
+// A fork's report as both kinds begin it: the event, the verdict, the fork's own stack.
+ForkReport fork_report(const Event& fork, EventKind kind, const probe::CudaState& state,
+                       const char* what) {
   ForkReport r;
+  r.event = fork;
+  r.event.kind = kind;
+  r.verdict = std::string(probe::to_string(state.verdict));
+  r.event.what = std::string(what) + " (" + r.verdict + ")";
+  r.event.fields.emplace_back("verdict", r.verdict);
+  r.body =
+      "  fork() called at " + headline(r.event.stack) + ":\n" + format_stack(r.event.stack, "    ");
+  return r;
+}
+
+ForkReport cuda_report(const Event& fork, const probe::CudaState& state, PoisonedInfo& child) {
+  ForkReport r =
+      fork_report(fork, EventKind::kDirtyFork, state, "fork() with CUDA state not fork-safe");
   Event& e = r.event;
-  e = fork;
-  e.kind = EventKind::kDirtyFork;
-  const std::string verdict(probe::to_string(state.verdict));
-  r.verdict = verdict;
-  e.what = "fork() with CUDA state not fork-safe (" + verdict + ")";
-  e.fields.emplace_back("verdict", verdict);
-  std::string body;
-  body += "  fork() called at " + headline(e.stack) + ":\n" + format_stack(e.stack, "    ");
+  const std::string& verdict = r.verdict;
+  std::string body = std::move(r.body);
   std::string init_text =
       "  where CUDA was initialized: not seen (it happened before tracing or "
       "through a path not intercepted)\n";
@@ -682,16 +691,11 @@ ForkReport cuda_report(const Event& fork, const probe::CudaState& state, Poisone
 }
 
 ForkReport openmp_report(const Event& fork, const probe::CudaState& state) {
-  ForkReport r;
+  ForkReport r = fork_report(fork, EventKind::kOpenMpFork, state,
+                             "fork() with GNU OpenMP's thread pool alive");
   Event& e = r.event;
-  e = fork;
-  e.kind = EventKind::kOpenMpFork;
-  const std::string verdict(probe::to_string(state.verdict));
-  r.verdict = verdict;
-  e.what = "fork() with GNU OpenMP's thread pool alive (" + verdict + ")";
-  e.fields.emplace_back("verdict", verdict);
-  std::string body;
-  body += "  fork() called at " + headline(e.stack) + ":\n" + format_stack(e.stack, "    ");
+  const std::string& verdict = r.verdict;
+  std::string body = std::move(r.body);
   std::string pool_headline = "(not seen)";
   if (auto pool = own_event(EventKind::kOpenMpPool)) {
     ensure_symbolized(*pool);
