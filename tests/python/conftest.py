@@ -5,6 +5,7 @@ import os
 import pathlib
 import random
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -201,3 +202,21 @@ def guarded_site_python(tmp_path):
     with open(hook) as src, open(os.path.join(site_packages, "forkguard-guard.pth"), "w") as f:
         f.write(src.read())
     return python
+
+
+def run_bounded(cmd, timeout, input=None, **kwargs):
+    """Runs ``cmd`` in a session of its own, ``input`` on its stdin (else /dev/null), its output
+    captured as text: a CompletedProcess, whose returncode is "hung" when it had not ended within
+    ``timeout`` seconds; its process group (its children included) was then killed, so a hang
+    leaves nothing running behind the test."""
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL if input is None else subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)
+    try:
+        out, err = proc.communicate(input, timeout=timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        rc = "hung"
+    return subprocess.CompletedProcess(cmd, rc, out, err)

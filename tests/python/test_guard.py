@@ -13,7 +13,8 @@ import time
 import uuid
 
 import pytest
-from conftest import in_private_shm, marked_pids, need_torch_build, private_shm_allowed
+from conftest import (in_private_shm, marked_pids, need_torch_build, private_shm_allowed,
+                      run_bounded)
 
 import forkguard
 
@@ -59,8 +60,7 @@ def script(fake_cuda_env, tmp_path):
         listing = tmp_path / f"script{len(runs)}.shm"
         if private:
             cmd = in_private_shm(cmd, listing)
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env,
-                             cwd=tmp_path, start_new_session=True)
+        out = run_bounded(cmd, 300, env=env, cwd=tmp_path)
         runs.append(out)
         if listing.exists():
             left.extend(f for f in listing.read_text().split() if f.startswith(("sem.", "torch_")))
@@ -523,9 +523,8 @@ def test_reroute_a_script_from_standard_input_and_python_c(script, fake_cuda_env
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(forkguard.__file__)))
     env = dict(os.environ, PYTHONPATH=package_parent)
     for how in (dict(args=["-"], input=body), dict(args=["-c", body], input="")):
-        out = subprocess.run([sys.executable, *how["args"]], input=how["input"],
-                             capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
-                             start_new_session=True)
+        out = run_bounded([sys.executable, *how["args"]], 300, input=how["input"], env=env,
+                          cwd=tmp_path)
         assert out.returncode == 0, out.stdout + out.stderr
         assert "got 3 exit 0" in out.stdout, out.stdout + out.stderr
         assert "FileNotFoundError" not in out.stderr, out.stderr

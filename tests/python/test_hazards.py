@@ -17,7 +17,7 @@ import time
 import uuid
 
 import pytest
-from conftest import marked_pids
+from conftest import marked_pids, run_bounded
 
 import forkguard
 
@@ -56,17 +56,8 @@ def run(tmp_path, body, *args, timeout=HANG_AFTER, **env):
     marker = uuid.uuid4().hex
     path = tmp_path / f"s{marker[:8]}.py"
     path.write_text(textwrap.dedent(body))
-    proc = subprocess.Popen([sys.executable, str(path), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            start_new_session=True,
-                            env=_env(FORKGUARD_HAZARD_TEST=marker, **env))
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        rc = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        rc = "hung"
+    done = run_bounded([sys.executable, str(path), *args], timeout, cwd=tmp_path,
+                       env=_env(FORKGUARD_HAZARD_TEST=marker, **env))
     # Children that left the group (an elastic agent's) are found by the marker.
     for pid in marked_pids(f"FORKGUARD_HAZARD_TEST={marker}"):
         try:
@@ -77,7 +68,7 @@ def run(tmp_path, body, *args, timeout=HANG_AFTER, **env):
     while marked_pids(f"FORKGUARD_HAZARD_TEST={marker}") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert marked_pids(f"FORKGUARD_HAZARD_TEST={marker}") == []
-    return rc, out, err
+    return done.returncode, done.stdout, done.stderr
 
 
 PLAIN_FORK = f"""
@@ -182,9 +173,8 @@ def test_accelerate_notebook_launcher_under_the_environment_variable(
     env.pop("PYTHONPATH")
     path = tmp_path / "launch.py"
     path.write_text(textwrap.dedent(ACCELERATE))
-    out = subprocess.run([guarded_site_python, str(path), "plain", str(out_dir),
-                          str(matrix.free_port())], capture_output=True, text=True, timeout=300,
-                         env=env, cwd=tmp_path, start_new_session=True)
+    out = run_bounded([guarded_site_python, str(path), "plain", str(out_dir),
+                       str(matrix.free_port())], 300, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "forkguard imported: True" in out.stdout, out.stdout
     assert "ranks ['rank0', 'rank1'] ['False', 'False']" in out.stdout, out.stdout + out.stderr
