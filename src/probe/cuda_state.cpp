@@ -374,7 +374,8 @@ class Prober {
     }
     if (others.empty()) return;
     int rounds = 0;
-    const auto states = detail::thread_states(state_.pid, tids, facts_.openmp_mapped, &rounds);
+    const auto states = detail::thread_states(state_.pid, tids, facts_.openmp_mapped, &rounds,
+                                              is_self_ ? remembered_openmp_worker : nullptr);
     std::vector<pid_t> workers, running;
     const detail::ThreadState* unreadable = nullptr;
     for (const auto& st : states) {
@@ -671,7 +672,7 @@ bool openmp_pool_suspected() {
   if (tids->empty()) return false;
   const auto code = forkguard::detail::gnu_openmp_code();
   bool running = false;
-  for (const auto& t : detail::thread_states(me, *tids, true)) {
+  for (const auto& t : detail::thread_states(me, *tids, true, nullptr, remembered_openmp_worker)) {
     if (!t.syscall) return true;
     if (t.syscall->running) {
       if (remembered_openmp_worker(t.tid)) return true;

@@ -288,10 +288,12 @@ std::optional<std::vector<pid_t>> thread_ids(pid_t pid, ProcReadError* error) {
 }
 
 std::vector<ThreadState> thread_states(pid_t pid, const std::vector<pid_t>& tids, bool settle,
-                                       int* rounds) {
+                                       int* rounds, bool (*known)(pid_t)) {
   std::vector<ThreadState> states;
   states.reserve(tids.size());
-  auto is_running = [](const ThreadState& t) { return t.syscall && t.syscall->running; };
+  auto is_running = [known](const ThreadState& t) {
+    return t.syscall && t.syscall->running && !(known != nullptr && known(t.tid));
+  };
   for (pid_t tid : tids) {
     ThreadState t;
     t.tid = tid;

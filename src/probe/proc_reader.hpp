@@ -75,8 +75,9 @@ inline constexpr int kSettleRounds = 25;
 inline constexpr int kSettlePauseMs = 2;
 // Each thread's state, in the order of `tids`. With `settle`, the threads found running are read
 // again, up to kSettleRounds times, until none runs; *rounds (if given) says how many were taken.
+// A thread for which `known` (if given) is true is not waited for: what it is is known already.
 std::vector<ThreadState> thread_states(pid_t pid, const std::vector<pid_t>& tids, bool settle,
-                                       int* rounds = nullptr);
+                                       int* rounds = nullptr, bool (*known)(pid_t) = nullptr);
 std::optional<pid_t> parent_of(pid_t pid, ProcReadError* error);
 
 // What /proc/PID/stat says of the process itself.
